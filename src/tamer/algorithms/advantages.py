@@ -1,0 +1,224 @@
+"""Advantage estimators: how much better each trajectory (or token) did than its baseline.
+
+Outcome estimators turn one scalar reward per trajectory into one advantage per trajectory,
+relative to the other members of its group (the N samples of one task); the trainer broadcasts
+it to every loss-masked token. They share one signature and are chosen by name:
+
+    fn = get_advantage_fn("grpo")
+    advantages = fn(rewards, group_ids, loss_mask=loss_mask, **hp)  # (B,) float32
+
+Every estimator accepts and ignores keywords it does not use, so a trainer can pass one
+hyperparameter dict to any of them. Group ids need not be sorted, contiguous or equal-sized.
+
+`gae` is the critic-based estimator of PPO: per-token, from per-token rewards and values.
+`zero_spread_groups` finds groups that teach nothing (all rewards equal), for DAPO's
+dynamic sampling. See /work/shared/MATH.md for the formulas.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from tamer.registry import Registry
+
+AdvantageFn = Callable[..., Tensor]
+
+ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+
+
+def get_advantage_fn(name: str) -> AdvantageFn:
+    """The outcome advantage estimator registered under `name` (KeyError lists valid names)."""
+    return ADVANTAGES.get(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Group statistics (vectorized over arbitrary group ids)
+# ---------------------------------------------------------------------------------------------
+
+
+def _group_index(group_ids: Tensor) -> tuple[Tensor, int]:
+    """Map arbitrary ids to 0..G-1: returns (inverse (B,) long, G)."""
+    unique_ids, inverse = torch.unique(group_ids, return_inverse=True)
+    return inverse, unique_ids.numel()
+
+
+def _group_sum(x: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+    """Per-member sum over its group: (B,) -> (B,)."""
+    sums = torch.zeros(num_groups, dtype=x.dtype, device=x.device).index_add_(0, inverse, x)
+    return sums[inverse]
+
+
+def _group_mean_and_size(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Each member's group mean and group size, both (B,) in the rewards' float dtype."""
+    rewards = rewards if rewards.is_floating_point() else rewards.float()
+    inverse, num_groups = _group_index(group_ids)
+    size = _group_sum(torch.ones_like(rewards), inverse, num_groups)  # (B,)
+    mean = _group_sum(rewards, inverse, num_groups) / size  # (B,)
+    return mean, size
+
+
+# ---------------------------------------------------------------------------------------------
+# Outcome estimators
+# ---------------------------------------------------------------------------------------------
+
+
+@ADVANTAGES.register("grpo")
+def grpo(
+    rewards: Tensor,
+    group_ids: Tensor,
+    *,
+    loss_mask: Tensor | None = None,
+    eps: float = 1e-6,
+    unbiased_std: bool = True,
+    **_ignored,
+) -> Tensor:
+    """GRPO: (r_i - mean_group r) / (std_group r + eps).
+
+    DeepSeekMath (Shao et al., 2024). Departs: the paper does not say which std; like the
+    peer trainers we use the unbiased (Bessel) one by default (`unbiased_std=False` for the
+    population std). A group of size 1 has no baseline and gets advantage 0. `loss_mask`
+    is unused (accepted for a uniform signature).
+    """
+    rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
+    inverse, num_groups = _group_index(group_ids)
+    size = _group_sum(torch.ones_like(rewards), inverse, num_groups)  # (B,)
+    centered = rewards - _group_sum(rewards, inverse, num_groups) / size  # (B,)
+    # Two-pass variance: sum of squared deviations, then divide.
+    sq_dev = _group_sum(centered.square(), inverse, num_groups)  # (B,)
+    dof = (size - 1.0) if unbiased_std else size
+    std = (sq_dev / dof.clamp(min=1.0)).sqrt()  # (B,)
+    advantages = centered / (std + eps)
+    return torch.where(size > 1, advantages, torch.zeros_like(advantages))
+
+
+@ADVANTAGES.register("dr_grpo")
+def dr_grpo(
+    rewards: Tensor,
+    group_ids: Tensor,
+    *,
+    loss_mask: Tensor | None = None,
+    eps: float = 1e-6,
+    **_ignored,
+) -> Tensor:
+    """Dr. GRPO: r_i - mean_group r, no division by the std.
+
+    "Understanding R1-Zero-like Training" (Liu et al., 2025), which shows the std division
+    up-weights too-easy and too-hard questions. Departs: nothing (the paper's other change,
+    the length normalization, lives in `aggregate(..., "seq-mean-token-sum-norm")`).
+    """
+    rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
+    mean, _ = _group_mean_and_size(rewards, group_ids)
+    return rewards - mean
+
+
+@ADVANTAGES.register("rloo")
+def rloo(
+    rewards: Tensor,
+    group_ids: Tensor,
+    *,
+    loss_mask: Tensor | None = None,
+    eps: float = 1e-6,
+    **_ignored,
+) -> Tensor:
+    """RLOO: r_i - mean of the other G-1 members = G/(G-1) * (r_i - mean_group r).
+
+    "Back to Basics: Revisiting REINFORCE Style Optimization" (Ahmadian et al., 2024), after
+    Kool et al. (2019). Departs: a group of size 1 has no "others" and gets advantage 0.
+    """
+    rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
+    mean, size = _group_mean_and_size(rewards, group_ids)
+    scale = size / (size - 1.0).clamp(min=1.0)  # (B,) G/(G-1); value unused when G == 1
+    advantages = scale * (rewards - mean)
+    return torch.where(size > 1, advantages, torch.zeros_like(advantages))
+
+
+@ADVANTAGES.register("reinforce_pp")
+def reinforce_pp(
+    rewards: Tensor,
+    group_ids: Tensor,
+    *,
+    loss_mask: Tensor | None = None,
+    eps: float = 1e-6,
+    **_ignored,
+) -> Tensor:
+    """REINFORCE++ with group baseline: r_i - mean_group r, then whitened over the batch.
+
+    REINFORCE++ (Hu, 2025). The whitening statistics are token-weighted, as if each
+    sequence's advantage were broadcast to its tokens: a sequence weighs its number of
+    loss-mask tokens (weight 1 each when `loss_mask` is None). Departs: the variance is the
+    (weighted) population variance and we divide by (std + eps), as OpenRLHF does up to eps.
+    If every sequence has weight 0 the result is all zeros.
+    """
+    rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
+    mean, _ = _group_mean_and_size(rewards, group_ids)
+    centered = rewards - mean  # (B,)
+    if loss_mask is None:
+        weights = torch.ones_like(centered)
+    else:
+        weights = loss_mask.bool().sum(dim=-1).to(centered.dtype)  # (B,) tokens per sequence
+    total = weights.sum()
+    safe_total = total.clamp(min=1.0)
+    batch_mean = (weights * centered).sum() / safe_total
+    batch_var = (weights * (centered - batch_mean).square()).sum() / safe_total
+    whitened = (centered - batch_mean) / (batch_var.sqrt() + eps)
+    return torch.where(total > 0, whitened, torch.zeros_like(whitened))
+
+
+# ---------------------------------------------------------------------------------------------
+# Critic-based (PPO) and data filtering
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def gae(
+    token_rewards: Tensor,
+    values: Tensor,
+    loss_mask: Tensor,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[Tensor, Tensor]:
+    """Generalized Advantage Estimation over the loss-masked tokens of each row.
+
+    GAE (Schulman et al., 2016): δ_t = r_t + γ V_{t+1} - V_t, Â_t = δ_t + γλ Â_{t+1},
+    returns = Â + V, V after the last masked token = 0. Departs: the steps of a row are its
+    masked-in tokens only; in multi-turn rows the tool-output tokens (mask 0) between turns
+    are skipped, so the step after a turn's last token is the next turn's first token.
+    Rewards and values at mask-0 positions are ignored (put rewards on generated tokens).
+    Outputs are 0 at mask-0 positions and carry no gradient (they are targets).
+
+    Shapes: token_rewards, values, loss_mask (B, T) -> (advantages, returns) (B, T).
+    """
+    mask = loss_mask.bool()  # (B, T)
+    rewards = token_rewards.to(values.dtype)
+    advantages = torch.zeros_like(values)  # (B, T)
+    next_value = torch.zeros_like(values[:, 0])  # (B,) V of the next masked step
+    next_advantage = torch.zeros_like(values[:, 0])  # (B,) Â of the next masked step
+    # A backward scan over T, vectorized over rows; a mask-0 column leaves the carry as is.
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage_t = delta + gamma * lam * next_advantage
+        on = mask[:, t]
+        advantages[:, t] = torch.where(on, advantage_t, torch.zeros_like(advantage_t))
+        next_value = torch.where(on, values[:, t], next_value)
+        next_advantage = torch.where(on, advantage_t, next_advantage)
+    returns = torch.where(mask, advantages + values, torch.zeros_like(values))
+    return advantages, returns
+
+
+def zero_spread_groups(rewards: Tensor, group_ids: Tensor, *, atol: float = 1e-8) -> Tensor:
+    """(B,) bool: True for members of groups whose rewards are all equal (within `atol`).
+
+    Such groups have zero advantage under every group-relative estimator; DAPO's dynamic
+    sampling (Yu et al., 2025) drops them and samples more. A group of size 1 counts as
+    zero-spread.
+    """
+    rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
+    inverse, num_groups = _group_index(group_ids)
+    empty = torch.zeros(num_groups, dtype=rewards.dtype, device=rewards.device)
+    group_max = empty.scatter_reduce(0, inverse, rewards, "amax", include_self=False)
+    group_min = empty.scatter_reduce(0, inverse, rewards, "amin", include_self=False)
+    return (group_max - group_min)[inverse] <= atol

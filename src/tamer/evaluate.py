@@ -1,0 +1,80 @@
+"""Held-out evaluation: greedy accuracy, pass@k, completion length.
+
+    report = evaluate(rollout, heldout, EvalConfig(pass_k=4), stop_ids)
+    report.metrics()   # {"eval/accuracy": ..., "eval/pass@4": ..., "eval/mean_length": ...}
+
+Accuracy is the `correctness` reward (exact answer match, or an environment's verdict).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from math import comb
+
+from tamer.rewards import correctness
+from tamer.rollout.runner import Rollout
+from tamer.rollout.types import SamplingParams, Trajectory
+from tamer.tasks.base import Task, TaskSource, is_correct
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What to measure on the held-out tasks."""
+
+    size: int = 400  # held-out tasks used (0: all)
+    max_new_tokens: int = 32
+    pass_k: int = 0  # 0 disables pass@k sampling
+    pass_n: int = 8  # samples per task for pass@k (n >= k)
+    temperature: float = 1.0  # for pass@k samples
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.pass_k and self.pass_n < self.pass_k:
+            raise ValueError(f"eval.pass_n ({self.pass_n}) must be >= eval.pass_k ({self.pass_k})")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+@dataclass
+class EvalReport:
+    accuracy: float
+    mean_length: float
+    pass_k: dict[int, float] = field(default_factory=dict)
+    num_tasks: int = 0
+    trajectories: list[Trajectory] = field(default_factory=list, repr=False)
+
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        out = {f"{prefix}/accuracy": self.accuracy, f"{prefix}/mean_length": self.mean_length}
+        out.update({f"{prefix}/pass@{k}": v for k, v in self.pass_k.items()})
+        return out
+
+
+def evaluate(rollout: Rollout, tasks: list[Task], config: EvalConfig, stop_ids: tuple[int, ...]) -> EvalReport:
+    tasks = tasks[: config.size] if config.size else tasks
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=config.max_new_tokens, stop_token_ids=stop_ids)
+    trajs = rollout.run(tasks, greedy)
+    accuracy = sum(correctness(t) for t in trajs) / len(trajs)
+    mean_length = sum(t.num_generated for t in trajs) / len(trajs)
+    report = EvalReport(accuracy, mean_length, num_tasks=len(tasks), trajectories=trajs)
+    if config.pass_k:
+        sampled = SamplingParams(n=config.pass_n, temperature=config.temperature,
+                                 max_new_tokens=config.max_new_tokens, stop_token_ids=stop_ids, seed=config.seed)
+        samples = rollout.run(tasks, sampled)
+        correct = [0] * len(tasks)
+        for t in samples:
+            correct[t.group_id] += int(correctness(t) > 0)
+        for k in sorted({1, config.pass_k}):
+            report.pass_k[k] = sum(pass_at_k(config.pass_n, c, k) for c in correct) / len(tasks)
+    return report
+
+
+def demonstrator_accuracy(source: TaskSource, tasks: list[Task], seed: int = 0) -> float:
+    """Accuracy of the task's demonstrator on `tasks` (what SFT data is worth)."""
+    rng = random.Random(seed)
+    return sum(is_correct(source.demonstrate(t, rng), t) for t in tasks) / len(tasks)

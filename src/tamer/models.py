@@ -1,0 +1,195 @@
+"""Models and tokenizers: load any local Hugging Face causal LM, or build a tiny one.
+
+Two ways in, one object out (a `transformers` causal LM plus its tokenizer):
+
+    model, tokenizer = load_model("path/to/local/hf-model")      # any local HF directory
+    tokenizer = build_char_tokenizer()                            # no hub needed
+    model = build_tiny_model(tokenizer, TinyModelConfig())       # Qwen2/Llama-style, few layers
+
+Trained models are saved with `save_model` (plain `save_pretrained`) and load back in
+`transformers` with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`.
+Nothing here touches the network: loading passes `local_files_only=True`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+from transformers.utils import logging as hf_logging
+
+# Special tokens of the built-in tokenizer; the chat markers follow the ChatML convention
+# that Qwen models use, so prompts look the same on a tiny model and on a real one.
+PAD, BOS, EOS, UNK = "<|pad|>", "<|bos|>", "<|im_end|>", "<|unk|>"
+IM_START = "<|im_start|>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, IM_START)
+# Markup that agents emit; one token each keeps tiny models' sequences short.
+MARKUP_TOKENS = (
+    "<answer>", "</answer>", "<think>", "</think>",
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+)
+
+CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n' }}{%- endif %}"
+    "{{- 'Tools:' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Shape of a tiny model built from a config (no weights downloaded)."""
+
+    arch: str = "qwen2"  # "qwen2" or "llama"
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("qwen2", "llama"):
+            raise ValueError(f"model.tiny.arch: expected 'qwen2' or 'llama', got {self.arch!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError("model.tiny.hidden_size must be divisible by model.tiny.num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model.tiny.num_heads must be divisible by model.tiny.num_kv_heads")
+
+
+def build_char_tokenizer(extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer built locally with `tokenizers`, with a ChatML template.
+
+    It is a byte-level BPE with no merges: every byte is one token, as in GPT-2/Qwen
+    tokenizers before merges, so any text encodes and `AutoTokenizer` loads it back as
+    the same tokenizer. Chat markers and agent markup (`<answer>`, `<tool_call>`, ...)
+    are single tokens.
+    """
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(list(SPECIAL_TOKENS) + alphabet)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START]})
+    tokenizer.add_tokens(list(MARKUP_TOKENS) + list(extra_tokens))
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def build_tiny_model(tokenizer: PreTrainedTokenizerBase, config: TinyModelConfig) -> PreTrainedModel:
+    """A randomly initialised Qwen2- or Llama-style causal LM sized for CPU experiments."""
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    hf_config = Qwen2Config(**common) if config.arch == "qwen2" else LlamaConfig(**common)
+    with torch.random.fork_rng():
+        torch.manual_seed(config.seed)
+        model = AutoModelForCausalLM.from_config(hf_config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+@contextlib.contextmanager
+def quiet_progress() -> Iterator[None]:
+    """Silence transformers' own progress bars: all console output goes through the Tracker."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def load_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a local Hugging Face model directory."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    with quiet_progress():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    if tokenizer.pad_token_id is None:  # many base models ship without one
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return model.to(device), tokenizer
+
+
+def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path) -> Path:
+    """Save model and tokenizer so that plain `transformers` can load them back."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with quiet_progress():
+        model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    """Number of (unique) parameters; tied embeddings count once."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad or not trainable_only}
+    return sum(p.numel() for p in params.values())
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """Token ids that end an assistant turn: EOS and, when present, ChatML's <|im_end|>."""
+    ids = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids(EOS)
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def encode_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]] | tuple[dict[str, str], ...],
+    *,
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids of a chat prompt through the tokenizer's chat template."""
+    text = tokenizer.apply_chat_template(
+        list(messages), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

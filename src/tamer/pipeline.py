@@ -1,0 +1,196 @@
+"""The jobs the CLI runs, as plain functions: SFT, RL, evaluation and the full demo.
+
+    config = load_config(RunConfig, "my.yaml", ["rl.steps=50"])
+    summary = run_demo(config)      # tiny model -> SFT -> GRPO -> held-out table
+
+Every job writes under `config.output_dir`: metrics (JSONL + TensorBoard), models saved
+with `save_pretrained`, and a `summary.json` of the measured figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from tamer.checkpoint import latest_checkpoint
+from tamer.config import to_dict
+from tamer.evaluate import EvalConfig, EvalReport, demonstrator_accuracy, evaluate
+from tamer.models import (
+    TinyModelConfig, build_char_tokenizer, build_tiny_model, count_parameters, load_model, save_model,
+    stop_token_ids,
+)
+from tamer.rewards import RewardComposer, RewardConfig
+from tamer.rollout.engine import HFEngine
+from tamer.rollout.runner import Rollout
+from tamer.tasks import TaskConfig, get_task_source
+from tamer.tasks.base import Task, TaskSource
+from tamer.tracking import Tracker, plot_metrics
+from tamer.trainers.common import OptimConfig, seed_everything
+from tamer.trainers.rl import RLConfig, RLTrainer
+from tamer.trainers.sft import SFTConfig, SFTTrainer, demonstrations
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy: a local Hugging Face model directory, or a tiny model built from a config."""
+
+    path: str = ""  # local HF model directory; empty builds `tiny`
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    threads: int = 0  # torch CPU threads; 0 keeps torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    console: bool = True
+    tensorboard: bool = True
+    console_every: int = 10  # steps between console lines when stdout is not a terminal
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run: model, task, rewards, the SFT and RL phases, and evaluation."""
+
+    output_dir: str = "runs/demo"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    sft: SFTConfig = field(default_factory=lambda: SFTConfig(
+        steps=500, batch_size=32, optim=OptimConfig(lr=1e-3, warmup_steps=50, schedule="cosine")))
+    rl: RLConfig = field(default_factory=lambda: RLConfig(
+        steps=40, prompts_per_step=16, group_size=8, max_new_tokens=32, optim=OptimConfig(lr=1e-4), eval_every=10))
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def with_seed(config: RunConfig, seed: int) -> RunConfig:
+    """The same run with every random choice (init, data order, sampling) drawn from `seed`."""
+    model = dataclasses.replace(config.model, tiny=dataclasses.replace(config.model.tiny, seed=seed))
+    return dataclasses.replace(config, model=model, sft=dataclasses.replace(config.sft, seed=seed),
+                               rl=dataclasses.replace(config.rl, seed=seed))
+
+
+# ---------------------------------------------------------------------------- pieces
+def build_policy(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    if config.path:
+        return load_model(config.path, dtype=DTYPES[config.dtype])
+    tokenizer = build_char_tokenizer()
+    return build_tiny_model(tokenizer, config.tiny).to(DTYPES[config.dtype]), tokenizer
+
+
+def tracker_for(config: RunConfig, sub: str, total_steps: int, description: str, append: bool = False) -> Tracker:
+    return Tracker(Path(config.output_dir) / sub, console=config.tracking.console,
+                   tensorboard=config.tracking.tensorboard, total_steps=total_steps,
+                   description=description, append=append, console_every=config.tracking.console_every)
+
+
+def evaluate_model(model, tokenizer, tasks: list[Task], config: EvalConfig) -> EvalReport:
+    rollout = Rollout(HFEngine(model, tokenizer.pad_token_id), tokenizer)
+    return evaluate(rollout, tasks, config, stop_token_ids(tokenizer))
+
+
+def write_json(path: Path, data: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
+    return path
+
+
+# ---------------------------------------------------------------------------- jobs
+def run_sft(config: RunConfig, model=None, tokenizer=None, source: TaskSource | None = None) -> dict[str, Any]:
+    """SFT on the task's demonstrations; saves `output_dir/sft/model`."""
+    if model is None:
+        model, tokenizer = build_policy(config.model)
+    source = source or get_task_source(config.task)
+    train, heldout = source.split()
+    seed_everything(config.sft.seed)
+    start = time.perf_counter()
+    with tracker_for(config, "sft", config.sft.steps, "sft") as tracker:
+        data = demonstrations(source, train, tokenizer, seed=config.sft.seed)
+        loss = SFTTrainer(model, tokenizer, data, config.sft).train(tracker)
+        report = evaluate_model(model, tokenizer, heldout, config.eval)
+        tracker.log(report.metrics(), config.sft.steps)
+    out = Path(config.output_dir) / "sft"
+    save_model(model, tokenizer, out / "model")
+    result = {"sft_loss": loss, "sft_accuracy": report.accuracy, "sft_seconds": time.perf_counter() - start,
+              "model_path": str(out / "model"), **report.metrics("sft_eval")}
+    write_json(out / "summary.json", result)
+    return result
+
+
+def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = False,
+           reward_extra: dict | None = None) -> dict[str, Any]:
+    """RL (GRPO family) from `model` or `config.model`; saves `output_dir/rl/model`."""
+    if model is None:
+        model, tokenizer = build_policy(config.model)
+    source = get_task_source(config.task)
+    train, heldout = source.split()
+    seed_everything(config.rl.seed)
+    run_dir = Path(config.output_dir) / "rl"
+    checkpoint = latest_checkpoint(run_dir / "checkpoints") if resume else None
+    start = time.perf_counter()
+    with tracker_for(config, "rl", config.rl.steps, "rl", append=checkpoint is not None) as tracker:
+        trainer = RLTrainer(model, tokenizer, train, heldout, RewardComposer(config.reward, reward_extra),
+                            config.rl, config.eval, run_dir=run_dir, tracker=tracker)
+        if checkpoint is not None:
+            tracker.truncate_after(trainer.resume(checkpoint))
+            tracker.print(f"resumed from {checkpoint} at step {trainer.step}")
+        final = trainer.train()
+    plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png",
+                        title=f"{config.rl.algorithm.advantage} on {config.task.name}")
+    save_model(model, tokenizer, run_dir / "model")
+    result = {"rl_accuracy": final.get("eval/accuracy"), "rl_steps": trainer.step,
+              "rl_seconds": time.perf_counter() - start, "model_path": str(run_dir / "model"),
+              "plot": str(plot), "reward_errors": trainer.rewards.total_errors, **final}
+    write_json(run_dir / "summary.json", result)
+    return result
+
+
+def run_eval(config: RunConfig) -> dict[str, Any]:
+    """Held-out evaluation of `config.model` on `config.task`."""
+    model, tokenizer = build_policy(config.model)
+    source = get_task_source(config.task)
+    _, heldout = source.split()
+    report = evaluate_model(model, tokenizer, heldout, config.eval)
+    return {"accuracy": report.accuracy, "num_tasks": report.num_tasks, **report.metrics()}
+
+
+def run_demo(config: RunConfig, console: Tracker | None = None) -> dict[str, Any]:
+    """Tiny model -> SFT on the demonstrator -> GRPO; held-out table and summary.json."""
+    start = time.perf_counter()
+    out = Path(config.output_dir)
+    model, tokenizer = build_policy(config.model)
+    source = get_task_source(config.task)
+    _, heldout = source.split()
+    eval_tasks = heldout[: config.eval.size] if config.eval.size else heldout
+    demo_acc = demonstrator_accuracy(source, eval_tasks, seed=config.sft.seed)
+    sft = run_sft(config, model, tokenizer, source)
+    rl = run_rl(config, model, tokenizer)
+    summary = {
+        "task": config.task.name, "heldout_size": len(eval_tasks),
+        "demonstrator_accuracy": demo_acc, "sft_accuracy": sft["sft_accuracy"], "rl_accuracy": rl["rl_accuracy"],
+        "rl_steps": rl["rl_steps"], "seconds": time.perf_counter() - start,
+        "sft_seconds": sft["sft_seconds"], "rl_seconds": rl["rl_seconds"],
+        "model_parameters": count_parameters(model), "plot": rl["plot"],
+        "sft_model": sft["model_path"], "rl_model": rl["model_path"], "config": to_dict(config),
+    }
+    plot_metrics(out / "rl" / "metrics.jsonl", out / "reward_accuracy.png", title="GRPO after SFT")
+    summary["plot"] = str(out / "reward_accuracy.png")
+    write_json(out / "summary.json", summary)
+    return summary

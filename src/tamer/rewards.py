@@ -1,0 +1,122 @@
+"""Reward functions and their weighted composition.
+
+A reward function reads one finished `Trajectory` and returns a float. Functions register
+by name; a `RewardConfig` picks them with weights. A function that raises never stops
+training: its score becomes `default_on_error`, and the error is counted and its first
+traceback kept for the log.
+
+    composer = RewardComposer(RewardConfig(weights={"correctness": 1.0, "format": 0.1}))
+    stats = composer.score(trajectories)      # sets traj.reward and traj.rewards
+    stats.metrics()                           # {"reward/correctness": ..., "reward/errors": ...}
+
+Your own function: `composer = RewardComposer(config, extra={"mine": my_fn})` and put
+"mine" in `weights`.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tamer.registry import Registry
+from tamer.rollout.types import Trajectory
+from tamer.tasks.base import ANSWER_RE, is_correct
+
+RewardFn = Callable[..., float]
+REWARDS: Registry[RewardFn] = Registry("reward function")
+
+
+@REWARDS.register("correctness")
+def correctness(traj: Trajectory) -> float:
+    """1 when the final answer matches the task's reference, else 0."""
+    if "success" in traj.info:  # environments that judge the outcome themselves
+        return float(traj.info["success"])
+    return float(is_correct(traj.text, traj.task))
+
+
+@REWARDS.register("format")
+def answer_format(traj: Trajectory) -> float:
+    """1 for exactly one <answer>...</answer> that ends the reply, else 0."""
+    text = traj.text.replace("<|im_end|>", "").rstrip()
+    matches = list(ANSWER_RE.finditer(text))
+    return float(len(matches) == 1 and matches[0].end() == len(text) and not traj.truncated)
+
+
+@REWARDS.register("length")
+def length_penalty(traj: Trajectory, *, max_tokens: int = 256, truncation_penalty: float = 1.0) -> float:
+    """−(generated tokens / max_tokens); a truncated reply also pays `truncation_penalty`."""
+    return -traj.num_generated / max_tokens - (truncation_penalty if traj.truncated else 0.0)
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Which reward functions to use, with weights and per-function keyword arguments."""
+
+    weights: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.1})
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    default_on_error: float = 0.0  # score given when a function raises or returns NaN
+
+    def __post_init__(self) -> None:
+        if not self.weights:
+            raise ValueError("reward.weights: name at least one reward function")
+        for name in self.params:
+            if name not in self.weights:
+                raise ValueError(f"reward.params.{name}: no such function in reward.weights")
+
+
+@dataclass
+class RewardStats:
+    """What one scoring pass saw: per-function means and errors."""
+
+    means: dict[str, float]
+    errors: dict[str, int]
+    first_traceback: str | None
+    total_mean: float
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"reward/{k}": v for k, v in self.means.items()}
+        out["reward/mean"] = self.total_mean
+        out["reward/errors"] = float(sum(self.errors.values()))
+        return out
+
+
+class RewardComposer:
+    """Weighted sum of reward functions with error isolation."""
+
+    def __init__(self, config: RewardConfig, extra: dict[str, RewardFn] | None = None) -> None:
+        self.config = config
+        extra = extra or {}
+        self.functions = {name: extra[name] if name in extra else REWARDS.get(name) for name in config.weights}
+        self.total_errors = 0
+        self.first_traceback: str | None = None
+
+    def _call(self, name: str, traj: Trajectory) -> tuple[float, str | None]:
+        try:
+            value = float(self.functions[name](traj, **self.config.params.get(name, {})))
+        except Exception:  # noqa: BLE001 - a user's reward must never kill training
+            return self.config.default_on_error, traceback.format_exc()
+        if math.isnan(value):
+            return self.config.default_on_error, f"reward function {name!r} returned NaN"
+        return value, None
+
+    def score(self, trajectories: list[Trajectory]) -> RewardStats:
+        sums = {name: 0.0 for name in self.functions}
+        errors = {name: 0 for name in self.functions}
+        first_tb = None
+        for traj in trajectories:
+            traj.rewards = {}
+            for name in self.functions:
+                value, tb = self._call(name, traj)
+                if tb is not None:
+                    errors[name] += 1
+                    first_tb = first_tb or f"reward function {name!r} failed:\n{tb}"
+                traj.rewards[name] = value
+                sums[name] += value
+            traj.reward = sum(self.config.weights[n] * v for n, v in traj.rewards.items())
+        self.total_errors += sum(errors.values())
+        self.first_traceback = self.first_traceback or first_tb
+        n = max(1, len(trajectories))
+        total = sum(t.reward for t in trajectories) / n
+        return RewardStats({k: v / n for k, v in sums.items()}, errors, first_tb, total)

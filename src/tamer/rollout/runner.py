@@ -1,0 +1,59 @@
+"""Turn tasks into trajectories: encode prompts, sample groups, record tokens and logprobs.
+
+`Rollout.run(tasks, params)` returns `params.n` trajectories per task, grouped: trajectory
+k of task j has `group_id = group_offset + j`. Single-turn tasks are multi-turn tasks
+with one turn; tasks that name an environment go through the agent loop instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from transformers import PreTrainedTokenizerBase
+
+from tamer.models import encode_chat
+from tamer.rollout.engine import GenerationEngine
+from tamer.rollout.types import SamplingParams, Trajectory, Turn
+from tamer.tasks.base import Task
+
+
+class Rollout:
+    """Samples completions for tasks through a generation engine."""
+
+    def __init__(self, engine: GenerationEngine, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._prompt_cache: dict[str, list[int]] = {}
+
+    def encode(self, task: Task) -> list[int]:
+        ids = self._prompt_cache.get(task.id)
+        if ids is None:
+            ids = encode_chat(self.tokenizer, task.messages)
+            self._prompt_cache[task.id] = ids
+        return ids
+
+    def run(self, tasks: list[Task], params: SamplingParams, group_offset: int = 0) -> list[Trajectory]:
+        prompts = [self.encode(t) for t in tasks]
+        start = time.perf_counter()
+        outputs = self.engine.generate(prompts, params)
+        seconds = (time.perf_counter() - start) / max(1, len(tasks) * params.n)
+        trajectories = []
+        for j, (task, prompt, samples) in enumerate(zip(tasks, prompts, outputs)):
+            for out in samples:
+                trajectories.append(Trajectory(
+                    task=task,
+                    group_id=group_offset + j,
+                    prompt_ids=prompt,
+                    completion_ids=list(out.token_ids),
+                    loss_mask=[1] * len(out.token_ids),
+                    logprobs=list(out.logprobs),
+                    text=self.tokenizer.decode(out.token_ids, skip_special_tokens=False),
+                    finish_reason=out.finish_reason,
+                    turns=[Turn(generated=len(out.token_ids), seconds=seconds)],
+                ))
+        return trajectories
+
+
+def with_params(params: SamplingParams, **changes) -> SamplingParams:
+    return dataclasses.replace(params, **changes)

@@ -1,0 +1,36 @@
+"""Task sources: built-in generators and the user's own datasets, chosen by name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tamer.tasks.arithmetic import ArithmeticConfig, ArithmeticTasks
+from tamer.tasks.base import TASK_SOURCES, Task, TaskPool, TaskSource, extract_answer, is_correct
+from tamer.tasks.dataset import DatasetConfig, DatasetError, DatasetTasks
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Which task to train on: `arithmetic` (built in) or `dataset` (your files)."""
+
+    name: str = "arithmetic"
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+
+    def __post_init__(self) -> None:
+        if self.name not in TASK_SOURCES:
+            raise ValueError(f"task.name: unknown task {self.name!r}; valid: {', '.join(TASK_SOURCES.names())}")
+
+
+def get_task_source(config: TaskConfig) -> TaskSource:
+    """The task source a config names, built with its own section of the config."""
+    cls = TASK_SOURCES.get(config.name)
+    section = getattr(config, config.name, None)
+    return cls(section) if section is not None else cls()
+
+
+__all__ = [
+    "ArithmeticConfig", "ArithmeticTasks", "DatasetConfig", "DatasetError", "DatasetTasks",
+    "TASK_SOURCES", "Task", "TaskConfig", "TaskPool", "TaskSource", "extract_answer",
+    "get_task_source", "is_correct",
+]

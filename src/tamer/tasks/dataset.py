@@ -1,0 +1,122 @@
+"""Tasks from the user's own local files: JSONL, JSON or Parquet, read with `datasets`.
+
+Each row needs a prompt and a reference answer (column names configurable); an optional
+completion column holds demonstrations for SFT. Malformed rows fail with the file and the
+row number, before any training starts.
+
+    {"prompt": "What is the capital of France?", "answer": "Paris"}
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from tamer.tasks.base import TASK_SOURCES, Task, format_answer
+
+SUFFIX_TO_BUILDER = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class DatasetError(ValueError):
+    """A data file is missing or malformed; the message names the file and row."""
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """A local dataset of prompt/answer rows."""
+
+    path: str = ""
+    heldout_path: str = ""  # a separate held-out file; else `heldout_fraction` of `path`
+    prompt_column: str = "prompt"
+    answer_column: str = "answer"
+    completion_column: str = "completion"  # demonstrations for SFT, used when present
+    system_prompt: str = ""
+    heldout_fraction: float = 0.1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ValueError("task.dataset.heldout_fraction: expected a fraction in (0, 1)")
+
+
+def _load_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file")
+    builder = SUFFIX_TO_BUILDER.get(path.suffix.lower())
+    if builder is None:
+        raise DatasetError(f"{path}: unsupported file type; use one of {sorted(SUFFIX_TO_BUILDER)}")
+    if builder == "json":
+        _check_json_lines(path)
+    import datasets  # imported lazily: it is slow to import and only this loader needs it
+
+    try:
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as err:  # noqa: BLE001 - re-raised with the file named
+        raise DatasetError(f"{path}: could not be read as {builder}: {err}") from None
+    return ds.to_list()
+
+
+def _check_json_lines(path: Path) -> None:
+    """Pinpoint a broken JSONL line before `datasets` reports it without a row number."""
+    import json
+
+    if path.suffix.lower() != ".jsonl":
+        return
+    with path.open() as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(f"{path}, row {number}: invalid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}, row {number}: expected a JSON object, got {type(row).__name__}")
+
+
+@TASK_SOURCES.register("dataset")
+class DatasetTasks:
+    """Prompt/answer rows from local files as tasks."""
+
+    name = "dataset"
+
+    def __init__(self, config: DatasetConfig) -> None:
+        if not config.path:
+            raise DatasetError("task.dataset.path: give the path of a JSONL or Parquet file")
+        self.config = config
+
+    def _tasks(self, path: Path) -> list[Task]:
+        rows = _load_rows(path)
+        return [self._task(path, i, row) for i, row in enumerate(rows, start=1)]
+
+    def _task(self, path: Path, number: int, row: dict) -> Task:
+        cfg = self.config
+        for column in (cfg.prompt_column, cfg.answer_column):
+            value = row.get(column)
+            if value is None or (isinstance(value, str) and not value.strip()):
+                raise DatasetError(f"{path}, row {number}: missing or empty column {column!r}")
+        prompt = row[cfg.prompt_column]
+        if not isinstance(prompt, str):
+            raise DatasetError(f"{path}, row {number}: column {cfg.prompt_column!r} must be text")
+        messages = ({"role": "system", "content": cfg.system_prompt},) if cfg.system_prompt else ()
+        messages += ({"role": "user", "content": prompt},)
+        completion = row.get(cfg.completion_column)
+        meta = {"row": number, "file": str(path)}
+        if isinstance(completion, str) and completion.strip():
+            meta["completion"] = completion
+        return Task(id=f"{path.name}:{number}", messages=messages, answer=str(row[cfg.answer_column]), meta=meta)
+
+    def split(self) -> tuple[list[Task], list[Task]]:
+        tasks = self._tasks(Path(self.config.path))
+        if self.config.heldout_path:
+            return tasks, self._tasks(Path(self.config.heldout_path))
+        order = list(range(len(tasks)))
+        random.Random(self.config.seed).shuffle(order)
+        n_held = max(1, round(len(tasks) * self.config.heldout_fraction))
+        if n_held >= len(tasks):
+            raise DatasetError(f"{self.config.path}: {len(tasks)} rows are too few to hold some out")
+        return [tasks[i] for i in order[n_held:]], [tasks[i] for i in order[:n_held]]
+
+    def demonstrate(self, task: Task, rng: random.Random) -> str:
+        return task.meta.get("completion") or format_answer(task.answer)

@@ -1,0 +1,60 @@
+"""The environment protocol: what a multi-turn agent talks to.
+
+One environment instance serves one trajectory. The rollout loop calls
+
+    first = env.reset(task)                  # optional extra text for the first user turn ("" if none)
+    result = env.step(assistant_text)        # the policy's whole turn, as text
+    result.observation                       # what the environment answers (a tool message), or None
+    result.reward, result.done, result.info  # per-turn (process) reward, end flag, facts
+
+until `done` or the rollout's turn/token budget runs out. `info` of the last step holds the
+outcome facts reward functions read (e.g. "success", "cost", "optimal_cost").
+Environments register by name in `ENVIRONMENTS` so configs and the CLI can pick them;
+`async` callers use `areset`/`astep`, which run the sync methods in a worker thread unless
+an environment overrides them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from tamer.registry import Registry
+from tamer.tasks.base import Task
+
+
+@dataclass
+class StepResult:
+    observation: str | None  # text of the environment's reply (rendered as a tool message)
+    reward: float = 0.0  # per-turn (process) reward
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Environment(Protocol):
+    def reset(self, task: Task) -> str: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+
+class BaseEnvironment:
+    """Convenience base: async wrappers around the sync API, and tool schemas (none here)."""
+
+    tools: list[dict] = []
+
+    def reset(self, task: Task) -> str:
+        raise NotImplementedError
+
+    def step(self, action: str) -> StepResult:
+        raise NotImplementedError
+
+    async def areset(self, task: Task) -> str:
+        return await asyncio.to_thread(self.reset, task)
+
+    async def astep(self, action: str) -> StepResult:
+        return await asyncio.to_thread(self.step, action)
+
+
+ENVIRONMENTS: Registry = Registry("environment")

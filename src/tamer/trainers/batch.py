@@ -1,0 +1,86 @@
+"""The learner's view of a rollout: padded tensors built from trajectories.
+
+Token positions follow the model's input: position t of `loss_mask`, `old_logprobs` and
+`ref_logprobs` describes token t of `input_ids` (predicted from tokens < t). Prompt,
+environment and padding positions have `loss_mask = 0` and never enter a loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tamer.rollout.types import Trajectory
+from tamer.trainers.common import right_pad
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (B, T) long, right-padded
+    attention_mask: torch.Tensor  # (B, T) long
+    loss_mask: torch.Tensor  # (B, T) float32, 1 on policy-generated tokens
+    old_logprobs: torch.Tensor  # (B, T) float32, log π_old at sampling time
+    advantages: torch.Tensor  # (B,) or (B, T) float32
+    group_ids: torch.Tensor  # (B,) long
+    rewards: torch.Tensor  # (B,) float32
+    ref_logprobs: torch.Tensor | None = None  # (B, T) float32, when KL is on
+    old_values: torch.Tensor | None = None  # (B, T) float32, PPO's critic at rollout time
+    returns: torch.Tensor | None = None  # (B, T) float32, PPO's value targets
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def select(self, index: torch.Tensor | list[int]) -> "Batch":
+        """Rows `index` of every tensor, trimmed to the longest selected row."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        width = int(self.attention_mask[index].sum(-1).max())
+        fields = {}
+        for name, value in self.__dict__.items():
+            if value is None:
+                fields[name] = None
+                continue
+            value = value[index]
+            fields[name] = value[:, :width] if value.dim() == 2 else value
+        return Batch(**fields)
+
+
+def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: int) -> Batch:
+    """Stack trajectories (prompt + completion) into one right-padded `Batch`."""
+    ids = [t.prompt_ids + t.completion_ids for t in trajectories]
+    masks = [[0] * len(t.prompt_ids) + list(t.loss_mask) for t in trajectories]
+    logprobs = [[0.0] * len(t.prompt_ids) + list(t.logprobs) for t in trajectories]
+    return Batch(
+        input_ids=right_pad(ids, pad_id, torch.long),
+        attention_mask=right_pad([[1] * len(r) for r in ids], 0, torch.long),
+        loss_mask=right_pad(masks, 0, torch.float32),
+        old_logprobs=right_pad(logprobs, 0.0, torch.float32),
+        advantages=advantages.float(),
+        group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
+        rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+    )
+
+
+def micro_batches(batch: Batch, max_tokens: int) -> list[Batch]:
+    """Split into micro-batches of at most `max_tokens` padded tokens each.
+
+    Rows are sorted by length first so that rows of similar length share a micro-batch:
+    padding waste stays small without packing.
+    """
+    lengths = batch.attention_mask.sum(-1)
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    chunks, current, width = [], [], 0
+    for row in order:
+        new_width = max(width, int(lengths[row]))
+        if current and new_width * (len(current) + 1) > max_tokens:
+            chunks.append(current)
+            current, new_width = [], int(lengths[row])
+        current.append(row)
+        width = new_width
+    if current:
+        chunks.append(current)
+    return [batch.select(c) for c in chunks]

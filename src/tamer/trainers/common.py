@@ -1,0 +1,109 @@
+"""Pieces both trainers share: token logprobs, padding, optimizer and LR schedule."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with warmup and a decay schedule."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | linear | cosine (after warmup)
+    min_lr_ratio: float = 0.1  # floor of linear/cosine decay, as a fraction of lr
+    max_grad_norm: float = 1.0  # 0 disables clipping
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr: expected > 0, got {self.lr}")
+        if self.schedule not in LR_SCHEDULES:
+            raise ValueError(f"optim.schedule: expected one of {LR_SCHEDULES}, got {self.schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError("optim.warmup_steps: expected >= 0")
+
+
+def make_optimizer(model: torch.nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+
+
+class _LRLambda:
+    """Picklable warmup + decay multiplier (a lambda would not survive a checkpoint)."""
+
+    def __init__(self, config: OptimConfig, total_steps: int) -> None:
+        self.warmup, self.total = config.warmup_steps, max(1, total_steps)
+        self.schedule, self.floor = config.schedule, config.min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        decay = 1.0 - progress if self.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.floor + (1.0 - self.floor) * decay
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, config: OptimConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _LRLambda(config, total_steps))
+
+
+def clip_and_step(model, optimizer, scheduler, max_grad_norm: float) -> float:
+    """Clip gradients, step optimizer and schedule, zero grads; return the pre-clip norm."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if max_grad_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def right_pad(rows: list[list[int]], pad_value: float | int, dtype: torch.dtype) -> torch.Tensor:
+    """Stack ragged rows into a (B, T) tensor, padding on the right."""
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), pad_value, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+    return out
+
+
+def token_logprobs(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,  # (B, T) long
+    attention_mask: torch.Tensor,  # (B, T) long, right-padded
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """log π(token_t | tokens_<t) for every position; position 0 gets 0. Shape (B, T) float32.
+
+    Logits are divided by the sampling temperature, as the sampler did (MATH.md), and the
+    log-softmax is taken as logit - logsumexp to avoid materialising a (B, T, V) log-softmax.
+    """
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+    logits = logits[:, :-1].float()
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    targets = input_ids[:, 1:]
+    picked = logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)

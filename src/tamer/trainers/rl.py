@@ -1,0 +1,333 @@
+"""The RL trainer: GRPO and its variants (and PPO, with a critic) in one loop.
+
+Each step follows the algorithm box of GRPO (Shao et al., 2024):
+
+    1. sample prompts from the task pool
+    2. roll out a group of G attempts per prompt with the current policy (π_old)
+    3. score every attempt with the reward functions
+    4. compute advantages within each group (or with a critic, for PPO)
+    5. μ inner updates of the clipped surrogate, new logprobs recomputed with gradients
+    6. evaluate on held-out tasks, checkpoint, log
+
+Simplifications, stated as nanochat does: the sampler and the learner share one module in
+one process (`HFEngine.sync_weights` is where a separate engine would receive weights);
+old logprobs are the sampler's own logprobs unless `recompute_old_logprobs` is set.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from tamer.algorithms import (
+    ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, get_advantage_fn,
+    get_policy_loss_fn, kl_penalty, zero_spread_groups,
+)
+from tamer.checkpoint import load_checkpoint, save_checkpoint
+from tamer.evaluate import EvalConfig, evaluate
+from tamer.models import stop_token_ids
+from tamer.rewards import RewardComposer
+from tamer.rollout.engine import GenerationEngine, HFEngine
+from tamer.rollout.runner import Rollout
+from tamer.rollout.types import SamplingParams, Trajectory
+from tamer.tasks.base import Task, TaskPool
+from tamer.trainers.batch import Batch, collate, micro_batches
+from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler, token_logprobs
+
+DYNAMIC_SAMPLING = ("off", "drop", "refill")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Which estimator, loss and aggregation; names come from the algorithm registries."""
+
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
+    policy_loss: str = "ppo"  # ppo (clipped surrogate; GRPO, DAPO) | gspo
+    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    aggregation_constant: float = 0.0  # C for seq-mean-token-sum-norm; 0: max_new_tokens
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2  # 0.28 is DAPO's clip-higher
+    dual_clip_c: float | None = None  # e.g. 3.0 bounds the loss for negative advantages
+    gspo_eps_low: float = 3e-4
+    gspo_eps_high: float = 4e-4
+    kl_coef: float = 0.0  # β; 0 means no reference model is loaded or run
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    dynamic_sampling: str = "off"  # off | drop (zero-spread groups) | refill (DAPO)
+    max_refill_rounds: int = 4
+
+    def __post_init__(self) -> None:
+        checks = (("advantage", self.advantage, ADVANTAGES.names()),
+                  ("policy_loss", self.policy_loss, POLICY_LOSSES.names()),
+                  ("aggregation", self.aggregation, AGGREGATIONS),
+                  ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
+                  ("dynamic_sampling", self.dynamic_sampling, DYNAMIC_SAMPLING))
+        for name, value, valid in checks:
+            if value not in valid:
+                raise ValueError(f"rl.algorithm.{name}: unknown {value!r}; valid: {', '.join(valid)}")
+        if self.kl_coef < 0:
+            raise ValueError(f"rl.algorithm.kl_coef: expected >= 0, got {self.kl_coef}")
+        if not 0 <= self.clip_eps_low < 1 or self.clip_eps_high < 0:
+            raise ValueError("rl.algorithm.clip_eps_low must be in [0, 1) and clip_eps_high >= 0")
+
+    def loss_hparams(self) -> dict[str, float | None]:
+        return {"clip_eps_low": self.clip_eps_low, "clip_eps_high": self.clip_eps_high,
+                "dual_clip_c": self.dual_clip_c, "gspo_eps_low": self.gspo_eps_low,
+                "gspo_eps_high": self.gspo_eps_high}
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """The RL loop: sampling, update schedule, evaluation and checkpoints."""
+
+    steps: int = 100
+    prompts_per_step: int = 16
+    group_size: int = 8  # G attempts per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    ppo_epochs: int = 1  # μ: passes over each batch of rollouts
+    mini_batches: int = 1  # optimizer steps per pass
+    micro_batch_tokens: int = 8192  # padded tokens per forward/backward (gradient accumulation)
+    recompute_old_logprobs: bool = False
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    eval_every: int = 10  # 0: only at the end
+    checkpoint_every: int = 0  # 0: no periodic checkpoints
+    keep_checkpoints: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "ppo_epochs", "mini_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rl.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise ValueError(f"rl.temperature: expected > 0 (RL samples), got {self.temperature}")
+        if self.group_size < 2 and self.algorithm.advantage in ("grpo", "dr_grpo", "rloo"):
+            raise ValueError("rl.group_size: group-relative advantages need at least 2 attempts per prompt")
+        if self.mini_batches > self.prompts_per_step * self.group_size:
+            raise ValueError("rl.mini_batches: more mini-batches than trajectories per step")
+
+
+def _step_seed(seed: int, step: int, round_: int = 0) -> int:
+    # Sampling randomness is a function of (seed, step): a resumed run samples the same.
+    return (seed * 1_000_003 + step * 997 + round_) % (2**63)
+
+
+class RLTrainer:
+    """Runs the loop above on one model; `train()` returns the final eval metrics."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        train_tasks: list[Task],
+        heldout_tasks: list[Task],
+        rewards: RewardComposer,
+        config: RLConfig,
+        eval_config: EvalConfig = EvalConfig(),
+        *,
+        run_dir: str | Path = "runs/rl",
+        tracker=None,
+        engine: GenerationEngine | None = None,
+    ) -> None:
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.heldout, self.rewards, self.eval_config = heldout_tasks, rewards, eval_config
+        self.run_dir, self.tracker = Path(run_dir), tracker
+        self.pool = TaskPool(train_tasks, seed=config.seed)
+        self.engine = engine or HFEngine(model, tokenizer.pad_token_id)
+        self.rollout = Rollout(self.engine, tokenizer)
+        self.stop_ids = stop_token_ids(tokenizer)
+        self.optimizer = make_optimizer(model, config.optim)
+        self.scheduler = make_scheduler(self.optimizer, config.optim, config.steps * config.ppo_epochs * config.mini_batches)
+        self.ref_model = self._frozen_copy(model) if config.algorithm.kl_coef > 0 else None
+        self.advantage_fn = get_advantage_fn(config.algorithm.advantage)
+        self.policy_loss_fn = get_policy_loss_fn(config.algorithm.policy_loss)
+        self.step = 0
+        self.last_eval: dict[str, float] = {}
+
+    @staticmethod
+    def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
+        ref = copy.deepcopy(model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    # ---------------------------------------------------------------- the loop
+    def train(self) -> dict[str, float]:
+        cfg = self.config
+        if self.step == 0 and cfg.eval_every:
+            self._log(self.evaluate(), 0)  # the starting point of the accuracy curve
+        while self.step < cfg.steps:
+            step = self.step + 1
+            t0 = time.perf_counter()
+            trajectories, metrics = self.collect(step)  # 1-3: sample, roll out, score
+            t1 = time.perf_counter()
+            if trajectories:
+                batch = self.make_batch(trajectories)  # 4: advantages (+ reference logprobs)
+                metrics.update(self.update(batch, step))  # 5: μ inner updates
+            else:
+                metrics["train/skipped_updates"] = 1.0
+            t2 = time.perf_counter()
+            self.step = step
+            metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1,
+                            "train/lr": self.scheduler.get_last_lr()[0]})
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+                metrics.update(self.evaluate())  # 6: held-out evaluation
+            self._log(metrics, step)
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+        return self.last_eval
+
+    # ---------------------------------------------------------------- phases
+    def sampling_params(self, step: int, round_: int = 0) -> SamplingParams:
+        cfg = self.config
+        return SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
+                              max_new_tokens=cfg.max_new_tokens, stop_token_ids=self.stop_ids,
+                              seed=_step_seed(cfg.seed, step, round_))
+
+    def collect(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """Roll out and score groups; with dynamic sampling keep only groups with spread."""
+        cfg, mode = self.config, self.config.algorithm.dynamic_sampling
+        self.engine.sync_weights(self.model)
+        kept: list[Trajectory] = []
+        seen: list[Trajectory] = []
+        for round_ in range(1 + (cfg.algorithm.max_refill_rounds if mode == "refill" else 0)):
+            missing = cfg.prompts_per_step - len(kept) // cfg.group_size
+            tasks = self.pool.next_batch(missing)
+            trajs = self.rollout.run(tasks, self.sampling_params(step, round_), group_offset=len(seen) // cfg.group_size)
+            self._score(trajs)
+            seen += trajs
+            kept += trajs if mode == "off" else self._with_spread(trajs)
+            if mode != "refill" or len(kept) // cfg.group_size >= cfg.prompts_per_step:
+                break
+        return kept, self._rollout_metrics(seen, kept)
+
+    def _score(self, trajs: list[Trajectory]) -> None:
+        stats = self.rewards.score(trajs)
+        if stats.first_traceback and self.tracker is not None and self.rewards.total_errors == sum(stats.errors.values()):
+            self.tracker.print(f"[reward error, counted and scored as default]\n{stats.first_traceback}")
+
+    @staticmethod
+    def _with_spread(trajs: list[Trajectory]) -> list[Trajectory]:
+        rewards = torch.tensor([t.reward for t in trajs])
+        zero = zero_spread_groups(rewards, torch.tensor([t.group_id for t in trajs]))
+        return [t for t, z in zip(trajs, zero.tolist()) if not z]
+
+    def _rollout_metrics(self, seen: list[Trajectory], kept: list[Trajectory]) -> dict[str, float]:
+        n = len(seen)
+        rewards = torch.tensor([t.reward for t in seen])
+        zero = zero_spread_groups(rewards, torch.tensor([t.group_id for t in seen]))
+        out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if n > 1 else 0.0,
+               "rollout/zero_spread_frac": float(zero.float().mean()),
+               "rollout/mean_length": sum(t.num_generated for t in seen) / n,
+               "rollout/truncated_frac": sum(t.truncated for t in seen) / n,
+               "rollout/trajectories": float(n), "rollout/kept": float(len(kept)),
+               "rollout/tool_calls": sum(t.num_tool_calls for t in seen) / n,
+               "rollout/errors": sum(t.num_errors for t in seen) / n,
+               "reward/errors_total": float(self.rewards.total_errors)}
+        for name in seen[0].rewards:
+            out[f"reward/{name}"] = sum(t.rewards[name] for t in seen) / n
+        return out
+
+    def make_batch(self, trajectories: list[Trajectory]) -> Batch:
+        """Collate, then group-relative advantages; reference logprobs only when β > 0."""
+        batch = collate(trajectories, torch.zeros(len(trajectories)), self.tokenizer.pad_token_id)
+        batch.advantages = self.advantage_fn(batch.rewards, batch.group_ids, loss_mask=batch.loss_mask).float()
+        if self.ref_model is not None:
+            batch.ref_logprobs = self._no_grad_logprobs(self.ref_model, batch)
+        if self.config.recompute_old_logprobs:
+            batch.old_logprobs = self._no_grad_logprobs(self.model, batch)
+        return batch
+
+    @torch.no_grad()
+    def _no_grad_logprobs(self, model: PreTrainedModel, batch: Batch) -> torch.Tensor:
+        out = torch.zeros_like(batch.old_logprobs)
+        lengths = batch.attention_mask.sum(-1)
+        rows = max(1, self.config.micro_batch_tokens // max(1, batch.input_ids.shape[1]))
+        for start in range(0, len(batch), rows):
+            sl = slice(start, start + rows)
+            lp = token_logprobs(model, batch.input_ids[sl], batch.attention_mask[sl], self.config.temperature)
+            out[sl] = lp * (torch.arange(lp.shape[1])[None, :] < lengths[sl, None])
+        return out
+
+    def update(self, batch: Batch, step: int) -> dict[str, float]:
+        """μ passes over the batch, each split into mini-batches; one optimizer step per mini-batch."""
+        cfg = self.config
+        self.model.train()
+        generator = torch.Generator().manual_seed(_step_seed(cfg.seed, step, 10_000))
+        sums: dict[str, float] = {}
+        updates = 0
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(len(batch), generator=generator)
+            for rows in order.chunk(cfg.mini_batches):
+                for key, value in self._mini_batch_step(batch.select(rows)).items():
+                    sums[key] = sums.get(key, 0.0) + value
+                updates += 1
+        self.model.eval()
+        return {key: value / updates for key, value in sums.items()}
+
+    def _mini_batch_step(self, mini: Batch) -> dict[str, float]:
+        alg = self.config.algorithm
+        seq_mode = alg.aggregation != "token-mean"
+        total = float((mini.loss_mask.sum(-1) > 0).sum()) if seq_mode else float(mini.loss_mask.sum())
+        sums: dict[str, float] = {}
+        for micro in micro_batches(mini, self.config.micro_batch_tokens):
+            share = float((micro.loss_mask.sum(-1) > 0).sum()) if seq_mode else float(micro.loss_mask.sum())
+            if share == 0:
+                continue
+            loss, metrics = self._micro_loss(micro)
+            (loss * share / max(total, 1.0)).backward()
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value * share / max(total, 1.0)
+        sums["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.scheduler, self.config.optim.max_grad_norm)
+        return sums
+
+    def _micro_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        alg = self.config.algorithm
+        constant = alg.aggregation_constant or float(self.config.max_new_tokens)
+        logprobs = token_logprobs(self.model, micro.input_ids, micro.attention_mask, self.config.temperature)
+        loss_matrix, parts = self.policy_loss_fn(logprobs, micro.old_logprobs, micro.advantages,
+                                                 micro.loss_mask, **alg.loss_hparams())
+        loss = aggregate(loss_matrix, micro.loss_mask, alg.aggregation, constant=constant)
+        metrics = {"train/policy_loss": loss.item()}
+        metrics.update({f"train/{k}": float(v) for k, v in parts.items()})
+        if micro.ref_logprobs is not None:
+            kl = aggregate(kl_penalty(logprobs, micro.ref_logprobs, alg.kl_estimator), micro.loss_mask,
+                           alg.aggregation, constant=constant)
+            loss = loss + alg.kl_coef * kl
+            metrics["train/kl"] = kl.item()
+        metrics["train/loss"] = loss.item()
+        return loss, metrics
+
+    # ---------------------------------------------------------------- evaluation, checkpoints, logs
+    def evaluate(self) -> dict[str, float]:
+        self.engine.sync_weights(self.model)
+        report = evaluate(self.rollout, self.heldout, self.eval_config, self.stop_ids)
+        self.last_eval = report.metrics()
+        return self.last_eval
+
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        if self.tracker is not None:
+            self.tracker.log(metrics, step)
+
+    def save_checkpoint(self) -> Path:
+        state = {"pool": self.pool.state_dict(), "reward_errors": self.rewards.total_errors,
+                 "last_eval": self.last_eval}
+        return save_checkpoint(self.run_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
+                               scheduler=self.scheduler, state=state, keep_last=self.config.keep_checkpoints,
+                               tokenizer=self.tokenizer)
+
+    def resume(self, path: str | Path) -> int:
+        """Continue from a checkpoint directory; returns the step it resumes after."""
+        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        self.pool.load_state_dict(state["pool"])
+        self.rewards.total_errors = state.get("reward_errors", 0)
+        self.last_eval = state.get("last_eval", {})
+        # The reference model stays the policy this trainer was built from (the run's start).
+        self.step = state["step"]
+        return self.step
