@@ -48,7 +48,7 @@ def _guard(job: Callable[[], Any]) -> Any:
     try:
         return job()
     except (ConfigError, DatasetError, FileNotFoundError) as err:
-        console.print(f"[bold red]error:[/] {err}")
+        console.print(f"[bold red]error:[/] {err}", soft_wrap=True)
         raise typer.Exit(2) from None
 
 

@@ -47,12 +47,27 @@ class EvalReport:
     mean_length: float
     pass_k: dict[int, float] = field(default_factory=dict)
     num_tasks: int = 0
+    agent: dict[str, float] = field(default_factory=dict)  # tool-using tasks: see agent_metrics
     trajectories: list[Trajectory] = field(default_factory=list, repr=False)
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         out = {f"{prefix}/accuracy": self.accuracy, f"{prefix}/mean_length": self.mean_length}
         out.update({f"{prefix}/pass@{k}": v for k, v in self.pass_k.items()})
+        out.update({f"{prefix}/{k}": v for k, v in self.agent.items()})
         return out
+
+
+def agent_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """Success rate, tool calls, cost over the optimum (successful episodes) and tool error rate."""
+    n = len(trajs)
+    calls = sum(t.num_tool_calls for t in trajs)
+    ratios = [t.info["cost"] / t.info["optimal_cost"] for t in trajs
+              if t.info.get("success") and t.info.get("cost") is not None and t.info.get("optimal_cost")]
+    return {"success_rate": sum(bool(t.info.get("success")) for t in trajs) / n,
+            "mean_tool_calls": calls / n,
+            "mean_cost_ratio": sum(ratios) / len(ratios) if ratios else float("nan"),
+            "error_rate": sum(t.num_errors for t in trajs) / calls if calls else 0.0,
+            "mean_turns": sum(len(t.turns) for t in trajs) / n}
 
 
 def evaluate(rollout: Rollout, tasks: list[Task], config: EvalConfig, stop_ids: tuple[int, ...]) -> EvalReport:
@@ -62,6 +77,8 @@ def evaluate(rollout: Rollout, tasks: list[Task], config: EvalConfig, stop_ids: 
     accuracy = sum(correctness(t) for t in trajs) / len(trajs)
     mean_length = sum(t.num_generated for t in trajs) / len(trajs)
     report = EvalReport(accuracy, mean_length, num_tasks=len(tasks), trajectories=trajs)
+    if tasks[0].env is not None:
+        report.agent = agent_metrics(trajs)
     if config.pass_k:
         sampled = SamplingParams(n=config.pass_n, temperature=config.temperature,
                                  max_new_tokens=config.max_new_tokens, stop_token_ids=stop_ids, seed=config.seed)

@@ -27,6 +27,7 @@ from tamer.models import (
     stop_token_ids,
 )
 from tamer.rewards import RewardComposer, RewardConfig
+from tamer.rollout.agent import AgentConfig
 from tamer.rollout.engine import HFEngine
 from tamer.rollout.runner import Rollout
 from tamer.tasks import TaskConfig, get_task_source
@@ -73,6 +74,7 @@ class RunConfig:
     rl: RLConfig = field(default_factory=lambda: RLConfig(
         steps=40, prompts_per_step=16, group_size=8, max_new_tokens=32, optim=OptimConfig(lr=1e-4), eval_every=10))
     eval: EvalConfig = field(default_factory=EvalConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn budgets for environment tasks
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
@@ -99,8 +101,8 @@ def tracker_for(config: RunConfig, sub: str, total_steps: int, description: str,
                    description=description, append=append, console_every=config.tracking.console_every)
 
 
-def evaluate_model(model, tokenizer, tasks: list[Task], config: EvalConfig) -> EvalReport:
-    rollout = Rollout(HFEngine(model, tokenizer.pad_token_id), tokenizer)
+def evaluate_model(model, tokenizer, tasks: list[Task], config: EvalConfig, agent: AgentConfig = AgentConfig()) -> EvalReport:
+    rollout = Rollout(HFEngine(model, tokenizer.pad_token_id), tokenizer, agent)
     return evaluate(rollout, tasks, config, stop_token_ids(tokenizer))
 
 
@@ -122,9 +124,9 @@ def run_sft(config: RunConfig, model=None, tokenizer=None, source: TaskSource | 
     seed_everything(config.sft.seed)
     start = time.perf_counter()
     with tracker_for(config, "sft", config.sft.steps, "sft") as tracker:
-        data = demonstrations(source, train, tokenizer, seed=config.sft.seed)
+        data = demonstrations(source, train, tokenizer, seed=config.sft.seed, agent=config.agent)
         loss = SFTTrainer(model, tokenizer, data, config.sft).train(tracker)
-        report = evaluate_model(model, tokenizer, heldout, config.eval)
+        report = evaluate_model(model, tokenizer, heldout, config.eval, config.agent)
         tracker.log(report.metrics(), config.sft.steps)
     out = Path(config.output_dir) / "sft"
     save_model(model, tokenizer, out / "model")
@@ -147,7 +149,7 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = Fals
     start = time.perf_counter()
     with tracker_for(config, "rl", config.rl.steps, "rl", append=checkpoint is not None) as tracker:
         trainer = RLTrainer(model, tokenizer, train, heldout, RewardComposer(config.reward, reward_extra),
-                            config.rl, config.eval, run_dir=run_dir, tracker=tracker)
+                            config.rl, config.eval, run_dir=run_dir, tracker=tracker, agent=config.agent)
         if checkpoint is not None:
             tracker.truncate_after(trainer.resume(checkpoint))
             tracker.print(f"resumed from {checkpoint} at step {trainer.step}")
@@ -167,7 +169,7 @@ def run_eval(config: RunConfig) -> dict[str, Any]:
     model, tokenizer = build_policy(config.model)
     source = get_task_source(config.task)
     _, heldout = source.split()
-    report = evaluate_model(model, tokenizer, heldout, config.eval)
+    report = evaluate_model(model, tokenizer, heldout, config.eval, config.agent)
     return {"accuracy": report.accuracy, "num_tasks": report.num_tasks, **report.metrics()}
 
 

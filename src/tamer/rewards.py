@@ -50,6 +50,36 @@ def length_penalty(traj: Trajectory, *, max_tokens: int = 256, truncation_penalt
     return -traj.num_generated / max_tokens - (truncation_penalty if traj.truncated else 0.0)
 
 
+# ---------------------------------------------------------------- agent rewards
+@REWARDS.register("tool_success")
+def tool_success(traj: Trajectory) -> float:
+    """Fraction of tool calls that ran without error (1.0 when no tool was called)."""
+    calls = sum(len(t.tool_calls) for t in traj.turns) or traj.info.get("tool_calls", 0)
+    errors = sum(len(t.errors) for t in traj.turns)
+    return 1.0 - errors / calls if calls else 1.0
+
+
+@REWARDS.register("steps")
+def steps_penalty(traj: Trajectory, *, per_call: float = 0.05, free_calls: int = 0) -> float:
+    """−per_call for every tool call beyond `free_calls` (fewer steps for the same outcome is better)."""
+    return -per_call * max(0, traj.num_tool_calls - free_calls)
+
+
+@REWARDS.register("cost")
+def cost_penalty(traj: Trajectory, *, scale: float = 1.0) -> float:
+    """−scale·(cost/optimal_cost − 1) as the environment reports it; 0 without a costed outcome."""
+    cost, optimal = traj.info.get("cost"), traj.info.get("optimal_cost")
+    if cost is None or not optimal:
+        return 0.0
+    return -scale * (cost / optimal - 1.0)
+
+
+@REWARDS.register("process")
+def process_reward(traj: Trajectory) -> float:
+    """Sum of the per-turn (process) rewards the environment gave."""
+    return sum(t.env_reward for t in traj.turns)
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """Which reward functions to use, with weights and per-function keyword arguments."""

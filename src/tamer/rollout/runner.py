@@ -13,17 +13,24 @@ import time
 from transformers import PreTrainedTokenizerBase
 
 from tamer.models import encode_chat
+from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.rollout.engine import GenerationEngine
 from tamer.rollout.types import SamplingParams, Trajectory, Turn
 from tamer.tasks.base import Task
 
 
 class Rollout:
-    """Samples completions for tasks through a generation engine."""
+    """Samples completions for tasks through a generation engine.
 
-    def __init__(self, engine: GenerationEngine, tokenizer: PreTrainedTokenizerBase) -> None:
+    Tasks that name an environment (`task.env`) run as multi-turn episodes through
+    `AgentRollout`; the others take the single-turn fast path.
+    """
+
+    def __init__(self, engine: GenerationEngine, tokenizer: PreTrainedTokenizerBase,
+                 agent: AgentConfig = AgentConfig()) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.agent = AgentRollout(engine, tokenizer, agent)
         self._prompt_cache: dict[str, list[int]] = {}
 
     def encode(self, task: Task) -> list[int]:
@@ -34,6 +41,11 @@ class Rollout:
         return ids
 
     def run(self, tasks: list[Task], params: SamplingParams, group_offset: int = 0) -> list[Trajectory]:
+        with_env = [t.env is not None for t in tasks]
+        if all(with_env):
+            return self.agent.run(tasks, params, group_offset)
+        if any(with_env):
+            raise ValueError("a batch mixes environment tasks and single-turn tasks; use one kind per run")
         prompts = [self.encode(t) for t in tasks]
         start = time.perf_counter()
         outputs = self.engine.generate(prompts, params)

@@ -50,6 +50,7 @@ def _load_rows(path: Path) -> list[dict]:
         _check_json_lines(path)
     import datasets  # imported lazily: it is slow to import and only this loader needs it
 
+    datasets.disable_progress_bars()
     try:
         ds = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as err:  # noqa: BLE001 - re-raised with the file named

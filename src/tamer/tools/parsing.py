@@ -98,6 +98,8 @@ class HermesToolParser:
             payload = json.loads(body)
         except json.JSONDecodeError as exc:
             return f"invalid_json: {exc.msg} (char {exc.pos})"
+        except RecursionError:  # `[[[[...` thousands deep: json recurses per level
+            return "invalid_json: nested too deeply"
         if not isinstance(payload, dict):
             return f"not_object: expected a JSON object, got {json_type(payload)}"
         name = payload.get("name")
@@ -109,6 +111,8 @@ class HermesToolParser:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError as exc:
                 return f"bad_arguments: \"arguments\" is a string but not valid JSON ({exc.msg})"
+            except RecursionError:
+                return "bad_arguments: \"arguments\" is nested too deeply"
         if arguments is None:
             arguments = {}
         if not isinstance(arguments, dict):

@@ -11,19 +11,18 @@
         results = pool.map(["print(1)", "while True: pass"])
 
 Each run gets a fresh working directory (removed afterwards), a scrubbed environment, its own
-session (so one killpg reaches the whole tree) and a wall-clock deadline. Inside the forked child,
-before exec, `_child_setup` adds what the kernel and our privileges allow:
-  * a new network namespace (no interfaces but a down loopback); if that is refused, a seccomp
-    filter that denies every socket family except AF_UNIX;
-  * a private mount namespace: fresh small tmpfs on /tmp, /var/tmp and /dev/shm, the invoking
-    user's home covered by an empty tmpfs (the interpreter is bound back read-only if it lives
-    there), and the root filesystem remounted read-only;
+process group and a wall-clock deadline. Inside the forked child, before exec, `_child_setup` adds
+what the kernel and our privileges allow:
+  * no network: an empty network namespace (one per concurrent uid, reused); if namespaces are
+    refused, a seccomp filter that lets socket() make only AF_UNIX sockets;
+  * a private mount namespace: size-capped tmpfs on /tmp (holding a copy of the workdir), /var/tmp
+    and /dev/shm; the invoking user's home and /run covered by empty tmpfs (the interpreter is
+    bound back read-only if it lives there); the root filesystem read-only;
   * resource limits: address space, CPU time, processes, file size, open files, no core dumps;
-  * as root: a per-run unprivileged uid/gid with no supplementary groups, so RLIMIT_NPROC binds,
-    file permissions apply and signals to host processes are refused; no-new-privs; and a
-    parent-death signal.
+  * as root: a per-run unprivileged uid/gid without groups, so RLIMIT_NPROC binds, file
+    permissions apply and signals to host processes are refused; no-new-privs; parent-death signal.
 After the run every process of that uid is killed (`kill(-1)` from a helper running as the uid),
-which also catches daemons that left the session. What could not be set up is listed in
+which also catches daemons that left the process group. What could not be set up is listed in
 `SandboxResult.warnings`; `SandboxConfig.require` turns a missing layer into a `SandboxError`.
 docs/sandbox.md says in plain words what this protects against and what it does not.
 """
@@ -763,7 +762,7 @@ def _supervise(proc: subprocess.Popen, stdin: bytes, config: SandboxConfig, star
                 break  # exited, but something it left behind still holds the pipes
     duration = time.monotonic() - start
     if reason is not None:
-        _killpg(proc.pid)
+        _killpg(proc)
     sel.close()
     return _Outcome(out, err, reason, duration)
 
@@ -788,8 +787,8 @@ def _pump(sel: selectors.BaseSelector, key: selectors.SelectorKey) -> None:
 
 
 def _kill_everything(proc: subprocess.Popen, uid: int | None, token: str) -> None:
-    """Kill the session, then whatever left it (double-forked daemons), then read the pipes dry."""
-    _killpg(proc.pid)
+    """Kill the process group, then whatever left it (double-forked daemons); close our pipe ends."""
+    _killpg(proc)
     if uid is not None:
         _sweep_uid(uid)
     else:
@@ -799,11 +798,14 @@ def _kill_everything(proc: subprocess.Popen, uid: int | None, token: str) -> Non
             stream.close()
 
 
-def _killpg(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _killpg(proc: subprocess.Popen) -> None:
+    # Only while the leader is unreaped is its pid, and so the group id, certainly still ours;
+    # after that the sweep finds what is left.
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _sweep_uid(uid: int, wait_s: float = 2.0) -> None:

@@ -25,18 +25,20 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.algorithms import (
-    ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, get_advantage_fn,
-    get_policy_loss_fn, kl_penalty, zero_spread_groups,
+    ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, gae, get_advantage_fn,
+    get_policy_loss_fn, kl_penalty, masked_mean, zero_spread_groups,
 )
 from tamer.checkpoint import load_checkpoint, save_checkpoint
 from tamer.evaluate import EvalConfig, evaluate
 from tamer.models import stop_token_ids
 from tamer.rewards import RewardComposer
+from tamer.rollout.agent import AgentConfig
 from tamer.rollout.engine import GenerationEngine, HFEngine
 from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams, Trajectory
 from tamer.tasks.base import Task, TaskPool
 from tamer.trainers.batch import Batch, collate, micro_batches
+from tamer.trainers.critic import Critic, CriticConfig
 from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler, token_logprobs
 
 DYNAMIC_SAMPLING = ("off", "drop", "refill")
@@ -46,7 +48,7 @@ DYNAMIC_SAMPLING = ("off", "drop", "refill")
 class AlgorithmConfig:
     """Which estimator, loss and aggregation; names come from the algorithm registries."""
 
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (PPO: needs the critic)
     policy_loss: str = "ppo"  # ppo (clipped surrogate; GRPO, DAPO) | gspo
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     aggregation_constant: float = 0.0  # C for seq-mean-token-sum-norm; 0: max_new_tokens
@@ -61,7 +63,7 @@ class AlgorithmConfig:
     max_refill_rounds: int = 4
 
     def __post_init__(self) -> None:
-        checks = (("advantage", self.advantage, ADVANTAGES.names()),
+        checks = (("advantage", self.advantage, ADVANTAGES.names() + ["gae"]),
                   ("policy_loss", self.policy_loss, POLICY_LOSSES.names()),
                   ("aggregation", self.aggregation, AGGREGATIONS),
                   ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
@@ -96,6 +98,7 @@ class RLConfig:
     recompute_old_logprobs: bool = False
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)  # used when algorithm.advantage = gae
     eval_every: int = 10  # 0: only at the end
     checkpoint_every: int = 0  # 0: no periodic checkpoints
     keep_checkpoints: int = 2
@@ -134,21 +137,29 @@ class RLTrainer:
         run_dir: str | Path = "runs/rl",
         tracker=None,
         engine: GenerationEngine | None = None,
+        agent: AgentConfig = AgentConfig(),
     ) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.heldout, self.rewards, self.eval_config = heldout_tasks, rewards, eval_config
         self.run_dir, self.tracker = Path(run_dir), tracker
         self.pool = TaskPool(train_tasks, seed=config.seed)
         self.engine = engine or HFEngine(model, tokenizer.pad_token_id)
-        self.rollout = Rollout(self.engine, tokenizer)
+        self.rollout = Rollout(self.engine, tokenizer, agent)
         self.stop_ids = stop_token_ids(tokenizer)
         self.optimizer = make_optimizer(model, config.optim)
         self.scheduler = make_scheduler(self.optimizer, config.optim, config.steps * config.ppo_epochs * config.mini_batches)
-        self.ref_model = self._frozen_copy(model) if config.algorithm.kl_coef > 0 else None
-        self.advantage_fn = get_advantage_fn(config.algorithm.advantage)
+        needs_ref = config.algorithm.kl_coef > 0 or (self.uses_critic and config.critic.kl_in_reward > 0)
+        self.ref_model = self._frozen_copy(model) if needs_ref else None
+        self.critic = Critic(model, config.critic, config.steps * config.ppo_epochs * config.mini_batches,
+                             config.micro_batch_tokens) if self.uses_critic else None
+        self.advantage_fn = None if self.uses_critic else get_advantage_fn(config.algorithm.advantage)
         self.policy_loss_fn = get_policy_loss_fn(config.algorithm.policy_loss)
         self.step = 0
         self.last_eval: dict[str, float] = {}
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.config.algorithm.advantage == "gae"
 
     @staticmethod
     def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
@@ -237,12 +248,35 @@ class RLTrainer:
     def make_batch(self, trajectories: list[Trajectory]) -> Batch:
         """Collate, then group-relative advantages; reference logprobs only when β > 0."""
         batch = collate(trajectories, torch.zeros(len(trajectories)), self.tokenizer.pad_token_id)
-        batch.advantages = self.advantage_fn(batch.rewards, batch.group_ids, loss_mask=batch.loss_mask).float()
         if self.ref_model is not None:
             batch.ref_logprobs = self._no_grad_logprobs(self.ref_model, batch)
         if self.config.recompute_old_logprobs:
             batch.old_logprobs = self._no_grad_logprobs(self.model, batch)
+        if self.critic is not None:
+            self._critic_advantages(batch)
+        else:
+            batch.advantages = self.advantage_fn(batch.rewards, batch.group_ids, loss_mask=batch.loss_mask).float()
         return batch
+
+    def _critic_advantages(self, batch: Batch) -> None:
+        """PPO: outcome reward on each row's last generated token, GAE with the critic's values.
+
+        With `critic.kl_in_reward` = β, every generated token also gets −β·k1 (classic
+        RLHF-PPO puts the KL in the reward instead of the loss). Advantages are whitened over
+        the batch's generated tokens, as PPO implementations do.
+        """
+        cfg = self.config.critic
+        mask = batch.loss_mask
+        last = (mask * torch.arange(mask.shape[1])[None, :]).argmax(dim=1)  # (B,) last generated position
+        token_rewards = torch.zeros_like(mask)
+        token_rewards[torch.arange(len(batch)), last] = batch.rewards
+        if cfg.kl_in_reward > 0 and batch.ref_logprobs is not None:
+            token_rewards -= cfg.kl_in_reward * kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") * mask
+        batch.old_values = self.critic.values(batch)
+        advantages, batch.returns = gae(token_rewards, batch.old_values, mask, gamma=cfg.gamma, lam=cfg.lam)
+        mean = masked_mean(advantages, mask)
+        std = masked_mean((advantages - mean) ** 2, mask).sqrt()
+        batch.advantages = ((advantages - mean) / (std + 1e-6)) * mask
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: PreTrainedModel, batch: Batch) -> torch.Tensor:
@@ -285,6 +319,8 @@ class RLTrainer:
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * share / max(total, 1.0)
         sums["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.scheduler, self.config.optim.max_grad_norm)
+        if self.critic is not None:
+            sums.update(self.critic.update(mini))
         return sums
 
     def _micro_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -318,6 +354,8 @@ class RLTrainer:
     def save_checkpoint(self) -> Path:
         state = {"pool": self.pool.state_dict(), "reward_errors": self.rewards.total_errors,
                  "last_eval": self.last_eval}
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
         return save_checkpoint(self.run_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
                                scheduler=self.scheduler, state=state, keep_last=self.config.keep_checkpoints,
                                tokenizer=self.tokenizer)
@@ -328,6 +366,8 @@ class RLTrainer:
         self.pool.load_state_dict(state["pool"])
         self.rewards.total_errors = state.get("reward_errors", 0)
         self.last_eval = state.get("last_eval", {})
+        if self.critic is not None and "critic" in state:
+            self.critic.load_state_dict(state["critic"])
         # The reference model stays the policy this trainer was built from (the run's start).
         self.step = state["step"]
         return self.step

@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.models import encode_chat
+from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.tasks.base import Task, TaskSource
 from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler, right_pad
 
@@ -42,15 +43,26 @@ class SFTConfig:
 class Example:
     prompt_ids: list[int]
     completion_ids: list[int]
+    completion_mask: list[int] | None = None  # None: learn every completion token
 
 
 def demonstrations(
-    source: TaskSource, tasks: list[Task], tokenizer: PreTrainedTokenizerBase, seed: int = 0
+    source: TaskSource, tasks: list[Task], tokenizer: PreTrainedTokenizerBase, seed: int = 0,
+    agent: AgentConfig = AgentConfig(),
 ) -> list[Example]:
-    """One demonstration per task from the task's demonstrator, tokenized for SFT."""
+    """One demonstration per task from the task's demonstrator, tokenized for SFT.
+
+    Environment tasks are replayed turn by turn through their environment, so the example
+    holds the real tool outputs (masked out of the loss) between the demonstrator's turns.
+    """
     rng = random.Random(seed)
+    replayer = AgentRollout(None, tokenizer, agent)
     examples = []
     for task in tasks:
+        if task.env is not None:
+            traj = replayer.replay(task, source.demonstrate_turns(task, rng))
+            examples.append(Example(traj.prompt_ids, traj.completion_ids, traj.loss_mask))
+            continue
         reply = source.demonstrate(task, rng)
         completion = tokenizer(reply, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         examples.append(Example(encode_chat(tokenizer, task.messages), completion))
@@ -58,9 +70,9 @@ def demonstrations(
 
 
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids, attention_mask and loss_mask (1 on completion tokens)."""
+    """Right-padded input_ids, attention_mask and loss_mask (1 on learned completion tokens)."""
     ids = [e.prompt_ids + e.completion_ids for e in examples]
-    masks = [[0] * len(e.prompt_ids) + [1] * len(e.completion_ids) for e in examples]
+    masks = [[0] * len(e.prompt_ids) + (e.completion_mask or [1] * len(e.completion_ids)) for e in examples]
     return {
         "input_ids": right_pad(ids, pad_id, torch.long),  # (B, T)
         "attention_mask": right_pad([[1] * len(r) for r in ids], 0, torch.long),  # (B, T)

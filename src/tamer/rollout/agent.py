@@ -1,0 +1,185 @@
+"""Multi-turn rollouts: the agent generates, the environment answers, until done.
+
+    rollout = AgentRollout(engine, tokenizer, AgentConfig(max_turns=8))
+    trajectories = rollout.run(tasks, params)      # params.n attempts per task
+
+Token-in, token-out: each turn's sampled tokens are appended exactly as sampled
+(`loss_mask = 1`, with their sampling logprobs); the environment's reply is rendered
+through the tokenizer's chat template as a tool message and appended as tokens with
+`loss_mask = 0`. Nothing is ever re-tokenized, so the learner trains on exactly the
+tokens that were sampled. Generation is batched across every live trajectory of every
+task at each turn; the first turn samples all `n` attempts from one shared prompt prefix.
+
+A single-turn task is the same loop with an environment that ends after one turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from transformers import PreTrainedTokenizerBase
+
+from tamer.models import encode_chat
+from tamer.rollout.engine import GenerationEngine
+from tamer.rollout.types import GenerationOutput, SamplingParams, Trajectory, Turn
+from tamer.tasks.base import Task
+from tamer.tasks.env import ENVIRONMENTS, Environment, StepResult
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Budgets of one multi-turn episode."""
+
+    max_turns: int = 8
+    max_total_tokens: int = 1024  # generated + environment tokens after the prompt
+    show_tools: bool = True  # render tool schemas into the prompt (chat template `tools=`)
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"rollout.max_turns: expected >= 1, got {self.max_turns}")
+        if self.max_total_tokens < 1:
+            raise ValueError("rollout.max_total_tokens: expected >= 1")
+
+
+def default_env_factory(task: Task) -> Environment:
+    return ENVIRONMENTS.get(task.env)()
+
+
+class ToolMessageRenderer:
+    """Token ids that follow an assistant turn: the tool message and the next assistant header.
+
+    Rendered through the chat template as the difference between a conversation with and
+    without the tool message, so any template (ChatML, Qwen, Llama) gets its own format.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        plain = tokenizer.apply_chat_template(base, tokenize=False)
+        marker = "\x00OBS\x00"
+        full = tokenizer.apply_chat_template(base + [{"role": "tool", "content": marker}], tokenize=False,
+                                             add_generation_prompt=True)
+        end = plain.rfind(eos) + len(eos) if eos and eos in plain else len(plain)
+        if not full.startswith(plain[:end]):
+            raise ValueError("chat template renders earlier turns differently once a tool message follows")
+        self.prefix, self.suffix = full[end:].split(marker)
+
+    def __call__(self, observation: str) -> list[int]:
+        return self.tokenizer(self.prefix + observation + self.suffix, add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class _Episode:
+    task: Task
+    env: Environment
+    group_id: int
+    prompt_ids: list[int]
+    completion_ids: list[int] = dataclasses.field(default_factory=list)
+    loss_mask: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    finish_reason: str = "stop"
+    done: bool = False
+
+
+class AgentRollout:
+    """Runs environment tasks as multi-turn episodes through a generation engine."""
+
+    def __init__(self, engine: GenerationEngine, tokenizer: PreTrainedTokenizerBase, config: AgentConfig = AgentConfig(),
+                 env_factory: Callable[[Task], Environment] = default_env_factory) -> None:
+        self.engine, self.tokenizer, self.config = engine, tokenizer, config
+        self.env_factory = env_factory
+        self.render_tool = ToolMessageRenderer(tokenizer)
+        self.stop_eos = tokenizer.eos_token_id
+
+    def run(self, tasks: list[Task], params: SamplingParams, group_offset: int = 0) -> list[Trajectory]:
+        episodes = [self._start(task, group_offset + j) for j, task in enumerate(tasks) for _ in range(params.n)]
+        for turn in range(self.config.max_turns):
+            live = [e for e in episodes if not e.done]
+            if not live:
+                break
+            self._play_turn(live, params, turn)
+        return [self._finish(e) for e in episodes]
+
+    def replay(self, task: Task, turns: list[str]) -> Trajectory:
+        """A scripted episode: `turns` (assistant texts) played against a fresh environment.
+
+        Produces exactly the token layout a sampled episode has, so SFT demonstrations and
+        RL rollouts share one format.
+        """
+        episode = self._start(task, group_id=0)
+        for text in turns:
+            if episode.done:
+                break
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.stop_eos]
+            self._apply(episode, GenerationOutput(ids, [0.0] * len(ids), "stop"))
+        return self._finish(episode)
+
+    def _start(self, task: Task, group_id: int) -> _Episode:
+        env = self.env_factory(task)
+        first = env.reset(task)
+        messages = [dict(m) for m in task.messages]
+        if first:
+            messages[-1]["content"] += "\n" + first
+        tools = getattr(env, "tools", None) if self.config.show_tools else None
+        return _Episode(task, env, group_id, encode_chat(self.tokenizer, messages, tools=tools or None))
+
+    def _play_turn(self, live: list[_Episode], params: SamplingParams, turn: int) -> None:
+        budget = max(1, min(params.max_new_tokens, min(self.config.max_total_tokens - len(e.completion_ids) for e in live)))
+        turn_params = dataclasses.replace(params, n=1, max_new_tokens=budget, seed=params.seed + 7919 * turn)
+        if turn == 0:  # all attempts share the prompt: sample n per distinct task from one prefix
+            heads = live[:: params.n]
+            outputs = [o for group in self.engine.generate([e.prompt_ids for e in heads],
+                                                           dataclasses.replace(turn_params, n=params.n)) for o in group]
+        else:
+            outputs = [g[0] for g in self.engine.generate([e.prompt_ids + e.completion_ids for e in live], turn_params)]
+        for episode, out in zip(live, outputs):
+            self._apply(episode, out)
+
+    def _apply(self, episode: _Episode, out) -> None:
+        episode.completion_ids += out.token_ids
+        episode.loss_mask += [1] * len(out.token_ids)
+        episode.logprobs += list(out.logprobs)
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        start = time.perf_counter()
+        result = self._step(episode.env, text)
+        record = Turn(generated=len(out.token_ids), env_reward=result.reward, seconds=time.perf_counter() - start)
+        for call in result.info.get("turn_calls", []):
+            record.tool_calls.append({"name": call.get("name"), "arguments": call.get("arguments")})
+            if not call.get("ok", True):
+                record.errors.append(call.get("error_kind") or "error")
+        if result.observation is not None:
+            record.tool_results.append(result.observation)
+        episode.turns.append(record)
+        episode.info.update({k: v for k, v in result.info.items() if k != "turn_calls"})
+        if result.done:
+            episode.done = True
+            return
+        obs_ids = self.render_tool(result.observation or "")
+        if out.finish_reason == "length":  # close the cut-off turn so the template stays well-formed
+            obs_ids = [self.stop_eos] + obs_ids
+        if len(episode.completion_ids) + len(obs_ids) >= self.config.max_total_tokens or \
+                len(episode.turns) >= self.config.max_turns:
+            episode.done, episode.finish_reason = True, "length"
+            return
+        episode.completion_ids += obs_ids
+        episode.loss_mask += [0] * len(obs_ids)
+        episode.logprobs += [0.0] * len(obs_ids)
+
+    @staticmethod
+    def _step(env: Environment, text: str) -> StepResult:
+        try:
+            return env.step(text)
+        except Exception as err:  # noqa: BLE001 - a broken environment ends one episode, not the run
+            return StepResult(None, done=True, info={"env_error": f"{type(err).__name__}: {err}", "success": False})
+
+    def _finish(self, e: _Episode) -> Trajectory:
+        return Trajectory(task=e.task, group_id=e.group_id, prompt_ids=e.prompt_ids, completion_ids=e.completion_ids,
+                          loss_mask=e.loss_mask, logprobs=e.logprobs,
+                          text=self.tokenizer.decode(e.completion_ids, skip_special_tokens=False),
+                          finish_reason=e.finish_reason, turns=e.turns, info=e.info)

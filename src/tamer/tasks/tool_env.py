@@ -1,0 +1,161 @@
+"""A base class for environments where the agent calls Python tools before it answers.
+
+A subclass supplies the tools (usually bound methods that read per-task state) and judges
+the final answer:
+
+    @ENVIRONMENTS.register("lookup")
+    class LookupEnv(ToolEnvironment):
+        def build_tools(self) -> ToolSet:
+            return ToolSet([self.lookup])
+
+        def on_reset(self, task: Task) -> None:
+            self.table = task.meta["table"]
+
+        def lookup(self, key: str) -> str:
+            '''Look a key up in the table.
+
+            Args:
+                key: The key to look up.
+            '''
+            return self.table[key]
+
+        def finish(self, final_text: str) -> dict:
+            return {"success": is_correct(final_text, self.task), "cost": float(self.tool_calls)}
+
+Each `step(action_text)` parses the turn with the configured parser. A turn with tool calls
+(or unreadable attempts at one) runs them, at most `max_tool_calls_per_turn`, and answers
+with one block per call, in the order of the calls, errors included:
+
+    <tool_response>888</tool_response>
+    <tool_response>error: unknown tool 'serch' (available: calculate)</tool_response>
+
+A turn without any is the final answer: the episode ends and `finish(final_text)` says how
+it went. `info` always carries the running counters rollouts and rewards read:
+"tool_calls" (int, all attempts so far), "tool_errors" ({error_kind: count}),
+"tool_calls_skipped" (calls past the per-turn limit, not run), "turns", and "turn_calls"
+(this step's calls: {"name", "arguments", "ok", "error_kind", "seconds"}).
+
+`step` does not raise for any agent text: parse and tool failures become error responses.
+A subclass's own hooks (`on_reset`, `finish`) could still raise; the rollout loop catches
+exceptions from an environment and ends that trajectory rather than the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tamer.tasks.base import Task, is_correct
+from tamer.tasks.env import BaseEnvironment, StepResult
+from tamer.tools.executor import ToolResult, execute, malformed
+from tamer.tools.parsing import PARSERS, ToolCall
+from tamer.tools.schema import ToolSet
+
+
+@dataclass(frozen=True)
+class ToolEnvConfig:
+    """How tool calls are read and run."""
+
+    max_tool_calls_per_turn: int = 4  # calls past this in one turn are not run
+    tool_timeout_s: float = 5.0  # wall-clock limit per call
+    max_result_chars: int = 2000  # longer results are cut, with a marker
+    parser: str = "hermes"  # a name in tamer.tools.parsing.PARSERS
+
+    def __post_init__(self) -> None:
+        if self.max_tool_calls_per_turn < 1:
+            raise ValueError(f"env.max_tool_calls_per_turn: expected at least 1, got {self.max_tool_calls_per_turn}")
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"env.tool_timeout_s: expected a positive number of seconds, got {self.tool_timeout_s}")
+        if self.max_result_chars < 1:
+            raise ValueError(f"env.max_result_chars: expected at least 1, got {self.max_result_chars}")
+        if self.parser not in PARSERS:
+            raise ValueError(f"env.parser: unknown parser {self.parser!r}; valid: {', '.join(PARSERS.names())}")
+
+
+def render_responses(results: list[ToolResult]) -> str:
+    """The observation text: one <tool_response> block per call, newline-separated."""
+    return "\n".join(f"<tool_response>{r.content}</tool_response>" for r in results)
+
+
+class ToolEnvironment(BaseEnvironment):
+    """Runs the agent's tool calls until it answers without one. See the module docstring."""
+
+    def __init__(self, config: ToolEnvConfig | None = None) -> None:
+        self.config = config or ToolEnvConfig()
+        self.parser = PARSERS.get(self.config.parser)()
+        self.toolset = self.build_tools()
+        self.task: Task | None = None
+        self._reset_counters()
+
+    # -- hooks for subclasses -------------------------------------------------------------
+
+    def build_tools(self) -> ToolSet:
+        """The tools this environment offers; called once, in __init__."""
+        raise NotImplementedError(f"{type(self).__name__} must implement build_tools()")
+
+    def on_reset(self, task: Task) -> None:
+        """Set up per-task state (the task itself is already in `self.task`)."""
+
+    def finish(self, final_text: str) -> dict[str, Any]:
+        """Judge the final answer; the dict is merged into the last step's `info`."""
+        assert self.task is not None, "finish() before reset()"
+        return {"success": is_correct(final_text, self.task), "cost": float(self.tool_calls)}
+
+    # -- the Environment protocol ---------------------------------------------------------
+
+    @property
+    def tools(self) -> list[dict]:  # type: ignore[override]
+        """Schemas for the chat template's `tools=`."""
+        return self.toolset.schemas()
+
+    def reset(self, task: Task) -> str:
+        self.task = task
+        self._reset_counters()
+        self.on_reset(task)
+        return ""
+
+    def step(self, action: str) -> StepResult:
+        self.turns += 1
+        parsed = self.parser.parse(action)
+        if not parsed.items:
+            return StepResult(None, done=True, info={**self._info([]), **self.finish(parsed.final_text)})
+        limit = self.config.max_tool_calls_per_turn
+        turn_calls = [self._run(item) for item in parsed.items[:limit]]
+        results = [result for result, _ in turn_calls]
+        observation = render_responses(results)
+        skipped = len(parsed.items) - limit
+        if skipped > 0:
+            self.tool_calls_skipped += skipped
+            observation += (f"\n<tool_response>error: at most {limit} tool calls run per turn; "
+                            f"{skipped} more were not run</tool_response>")
+        return StepResult(observation, done=False, info=self._info([record for _, record in turn_calls]))
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _run(self, item: ToolCall | str) -> tuple[ToolResult, dict[str, Any]]:
+        max_chars = self.config.max_result_chars
+        if isinstance(item, str):  # a block the parser could not read
+            result, arguments = malformed(item, max_chars), {}
+        else:
+            result = execute(item, self.toolset, self.config.tool_timeout_s, max_chars)
+            arguments = dict(item.arguments)  # a tool must not be able to edit the record
+        self.tool_calls += 1
+        self.history.append((item if isinstance(item, ToolCall) else None, result))
+        if not result.ok:
+            self.tool_errors[result.error_kind] = self.tool_errors.get(result.error_kind, 0) + 1
+        record = {"name": result.name, "arguments": arguments, "ok": result.ok,
+                  "error_kind": result.error_kind, "seconds": result.seconds}
+        return result, record
+
+    def _reset_counters(self) -> None:
+        self.turns = 0
+        self.tool_calls = 0
+        self.tool_calls_skipped = 0
+        self.tool_errors: dict[str, int] = {}
+        # Every attempt this episode, in order (None for an unreadable one), for `finish`.
+        self.history: list[tuple[ToolCall | None, ToolResult]] = []
+
+    def _info(self, turn_calls: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"tool_calls": self.tool_calls, "tool_errors": dict(self.tool_errors),
+                "tool_calls_skipped": self.tool_calls_skipped, "turns": self.turns,
+                "turn_calls": turn_calls}

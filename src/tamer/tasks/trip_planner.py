@@ -1,0 +1,102 @@
+"""Built-in `trip_planner` environment: book the cheapest valid trip with simulated tools.
+
+The agent sees a request ("Trip LON>MAD, leave day 1-3, 4 nights, budget 850. Book the
+cheapest valid trip.") and four tools: `search_flights`, `search_hotels`,
+`check_calendar`, `book` (see `trip_world`). The episode ends when a booking succeeds or
+the agent stops calling tools. The verifiable best plan is known for every world, so the
+outcome is scored as: valid booking made, cost over the optimum, tool calls, errors.
+
+The scripted demonstrator is correct but wasteful: it repeats searches, checks the
+calendar twice or day by day, and sometimes books a valid but pricier plan.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from tamer.tasks.base import TASK_SOURCES, Task
+from tamer.tasks.env import ENVIRONMENTS, StepResult
+from tamer.tasks.tool_env import ToolEnvConfig, ToolEnvironment
+from tamer.tasks.trip_world import (
+    TripTools, TripWorldConfig, World, demonstrator_calls, generate_world, score_booking, split, task_prompt, to_json, world_id,
+)
+from tamer.tools.schema import ToolSet
+
+
+def format_call(name: str, arguments: dict[str, Any]) -> str:
+    """One tool call in the Hermes format, compact JSON (what demonstrations and agents write)."""
+    return "<tool_call>" + to_json({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+@ENVIRONMENTS.register("trip_planner")
+class TripPlannerEnv(ToolEnvironment):
+    """One world per episode; `info` carries the booking score after every step."""
+
+    def __init__(self, config: ToolEnvConfig | None = None) -> None:
+        self.trip: TripTools | None = None
+        super().__init__(config)
+
+    def build_tools(self) -> ToolSet:
+        # Schemas come from the TripTools methods' signatures and docstrings (any world will do).
+        return ToolSet(TripTools(_SCHEMA_WORLD).functions())
+
+    def on_reset(self, task: Task) -> None:
+        self.world = World.from_dict(task.meta["world"])
+        self.trip = TripTools(self.world)
+        self.toolset = ToolSet(self.trip.functions())
+
+    def step(self, action: str) -> StepResult:
+        result = super().step(action)
+        result.info.update(score_booking(self.world, self.trip))
+        if self.trip.booking is not None:  # a successful booking is the end of the job
+            result.done = True
+        return result
+
+    def finish(self, final_text: str) -> dict[str, Any]:
+        return score_booking(self.world, self.trip)
+
+
+@dataclass(frozen=True)
+class TripPlannerConfig:
+    """Worlds and the demonstrator of the `trip_planner` task."""
+
+    world: TripWorldConfig = field(default_factory=TripWorldConfig)
+    demo_waste_rate: float = 0.5  # chance of redundant calls
+    demo_pricier_rate: float = 0.3  # chance of booking a valid but pricier plan
+
+    def __post_init__(self) -> None:
+        for name in ("demo_waste_rate", "demo_pricier_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"task.trip_planner.{name}: expected a probability in [0, 1]")
+
+
+@TASK_SOURCES.register("trip_planner")
+class TripPlannerTasks:
+    """Tasks for the trip planner; each carries its world in `meta`."""
+
+    name = "trip_planner"
+
+    def __init__(self, config: TripPlannerConfig = TripPlannerConfig()) -> None:
+        self.config = config
+
+    @staticmethod
+    def _task(world: World) -> Task:
+        return Task(id=world_id(world), messages=({"role": "user", "content": task_prompt(world)},),
+                    answer="", meta={"world": world.to_dict()}, env="trip_planner")
+
+    def split(self) -> tuple[list[Task], list[Task]]:
+        train, heldout = split(self.config.world)
+        return [self._task(w) for w in train], [self._task(w) for w in heldout]
+
+    def demonstrate_turns(self, task: Task, rng: random.Random) -> list[str]:
+        calls = demonstrator_calls(World.from_dict(task.meta["world"]), rng,
+                                   waste_rate=self.config.demo_waste_rate, pricier_rate=self.config.demo_pricier_rate)
+        return [format_call(name, args) for name, args in calls]
+
+    def demonstrate(self, task: Task, rng: random.Random) -> str:
+        return "".join(self.demonstrate_turns(task, rng))
+
+
+_SCHEMA_WORLD = generate_world(random.Random(0))

@@ -1,0 +1,416 @@
+"""The world of the `trip_planner` environment: generated trips, simulated tools, a checked best plan.
+
+A world is one small trip to plan: fly `origin>destination` on one of a few days, stay
+`nights` nights, without hitting a day the traveller is busy, within a budget. The agent
+sees only the prompt and learns the rest by calling tools:
+
+    world = generate_world(random.Random(0), TripWorldConfig())
+    task_prompt(world)   # 'Trip LON>ROM, leave day 4-6, 3 nights, budget 900. Book the cheapest valid trip.'
+    tools = TripTools(world)
+    tools.search_flights("LON", "ROM")   # [{"id":"F1","day":5,"price":210}, ...]
+    tools.search_hotels("ROM", 3)        # [{"id":"H1","price":240}, ...]  (price for all nights)
+    tools.check_calendar(4, 9)           # {"busy":[5]}
+    tools.book("F2", "H1")               # {"booked":"F2,H1","cost":450}, or ValueError
+    score_booking(world, tools)          # success, cost, optimal_cost, cost_ratio, tool_calls, errors
+
+The trip occupies days `day..day+nights` inclusive (leave on `day`, travel home on
+`day+nights`); a busy day anywhere in that range is a conflict. Every text is short and
+regular (3-letter cities, days 1..14, ids F1.., H1..) because the agents are tiny
+character-level models. `book` refuses until both searches ran and the calendar was
+checked over the stay: the calendar is not in the prompt, so the fewest calls that can
+book the best plan is always `MIN_TOOL_CALLS` = 4, and "fewest calls" is verifiable.
+Worlds are generated so that exactly one valid plan is cheapest (`optimal_plan`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+CITIES = ("AMS", "ATH", "BER", "DUB", "LIS", "LON", "MAD", "OSL", "PAR", "PRG", "ROM", "VIE")
+TOOL_NAMES = ("search_flights", "search_hotels", "check_calendar", "book")
+MIN_TOOL_CALLS = 4  # search flights, search hotels, check calendar, book: each is required once
+FLIGHT_PRICES = range(80, 400, 10)  # whole tens keep the numbers (and the sums) short
+HOTEL_NIGHT_PRICES = range(40, 160, 10)
+
+
+@dataclass(frozen=True)
+class TripWorldConfig:
+    """How worlds are generated, and how many go to the train and held-out splits."""
+
+    n_flights: int = 3  # options per flight search (ids F1..Fn)
+    n_hotels: int = 3  # options per hotel search (ids H1..Hn)
+    max_day: int = 14  # days are 1..max_day; the whole trip fits inside
+    min_nights: int = 2
+    max_nights: int = 4
+    window: int = 3  # departure window in days ("leave day 4-6")
+    n_busy: int = 2  # busy calendar days; the first always falls where it can conflict
+    trap_rate: float = 0.5  # share of worlds whose cheapest flight conflicts with the calendar
+    budget_slack: tuple[float, float] = (0.2, 0.6)  # budget = optimal cost * (1 + U(lo, hi))
+    heldout_size: int = 300
+    train_size: int = 3000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("n_flights", "n_hotels"):
+            if not 2 <= getattr(self, name) <= 4:
+                raise ValueError(f"trip_world.{name}: expected 2..4 (short results), got {getattr(self, name)}")
+        if not 1 <= self.min_nights <= self.max_nights:
+            raise ValueError(f"trip_world.min_nights: expected 1..max_nights, got {self.min_nights}")
+        if self.window < 2:  # with one departure day every flight shares the calendar's fate
+            raise ValueError(f"trip_world.window: expected at least 2 days, got {self.window}")
+        if self.window + self.max_nights > self.max_day:
+            raise ValueError(f"trip_world.max_day: {self.max_day} cannot hold a {self.window}-day window "
+                             f"plus {self.max_nights} nights")
+        if not 1 <= self.n_busy <= self.max_day:
+            raise ValueError(f"trip_world.n_busy: expected 1..max_day, got {self.n_busy}")
+        if not 0.0 <= self.trap_rate <= 1.0:
+            raise ValueError(f"trip_world.trap_rate: expected a probability in [0, 1], got {self.trap_rate}")
+        if not 0.0 <= self.budget_slack[0] <= self.budget_slack[1]:
+            raise ValueError(f"trip_world.budget_slack: expected 0 <= lo <= hi, got {self.budget_slack}")
+        if self.heldout_size < 1 or self.train_size < 1:
+            raise ValueError("trip_world.heldout_size/train_size: expected at least 1 each")
+
+
+@dataclass(frozen=True)
+class Flight:
+    id: str  # "F1"..
+    day: int  # departure day
+    price: int
+
+
+@dataclass(frozen=True)
+class Hotel:
+    id: str  # "H1"..
+    night: int  # price per night; the search shows the total for the asked nights
+
+
+@dataclass(frozen=True)
+class World:
+    """One trip to plan. Hashable, so splits can check worlds for duplicates."""
+
+    origin: str
+    destination: str
+    first_day: int  # departure window first_day..last_day
+    last_day: int
+    nights: int
+    flights: tuple[Flight, ...]
+    hotels: tuple[Hotel, ...]
+    busy: tuple[int, ...]  # sorted busy days; never shown in the prompt
+    budget: int
+    max_day: int = 14  # the calendar's last day
+
+    def stay(self, flight: Flight) -> range:
+        """The days a trip on this flight occupies: leave day through home day."""
+        return range(flight.day, flight.day + self.nights + 1)
+
+    def conflicts(self, flight: Flight) -> list[int]:
+        return [d for d in self.stay(flight) if d in self.busy]
+
+    def cost(self, flight: Flight, hotel: Hotel) -> int:
+        return flight.price + self.nights * hotel.night
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form, e.g. for `Task.meta`; `World.from_dict` inverts it."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> World:
+        return cls(**{**data, "flights": tuple(Flight(**f) for f in data["flights"]),
+                      "hotels": tuple(Hotel(**h) for h in data["hotels"]), "busy": tuple(data["busy"])})
+
+
+def to_json(obj: Any) -> str:
+    """Compact JSON, no spaces: every character costs a tiny model context."""
+    return json.dumps(obj, separators=(",", ":"))
+
+
+# --- generation --------------------------------------------------------------------------------
+
+
+def valid_plans(world: World) -> list[tuple[str, str, int]]:
+    """Every (flight_id, hotel_id, cost) with no busy day in the stay and cost within budget, cheapest first."""
+    plans = [(f.id, h.id, world.cost(f, h)) for f in world.flights for h in world.hotels
+             if not world.conflicts(f) and world.cost(f, h) <= world.budget]
+    return sorted(plans, key=lambda p: (p[2], p[0], p[1]))
+
+
+def optimal_plan(world: World) -> tuple[str, str, int]:
+    """The cheapest valid plan (exhaustive search; generated worlds guarantee it exists and is unique)."""
+    plans = valid_plans(world)
+    if not plans:
+        raise ValueError("world has no valid plan")
+    return plans[0]
+
+
+def _draw_world(rng: random.Random, config: TripWorldConfig) -> World:
+    origin, destination = rng.sample(CITIES, 2)
+    nights = rng.randint(config.min_nights, config.max_nights)
+    first = rng.randint(1, config.max_day - config.window - nights + 1)
+    last = first + config.window - 1
+    prices = rng.sample(FLIGHT_PRICES, config.n_flights)  # distinct, so the cheapest plan is unique
+    flights = tuple(Flight(f"F{i + 1}", rng.randint(first, last), p) for i, p in enumerate(prices))
+    nightly = rng.sample(HOTEL_NIGHT_PRICES, config.n_hotels)
+    hotels = tuple(Hotel(f"H{i + 1}", p) for i, p in enumerate(nightly))
+    # One busy day where a trip from the window can hit it, so checking the calendar matters;
+    # the rest anywhere, so a wide check shows days that do not matter too.
+    busy = {rng.randint(first, last + nights)}
+    while len(busy) < config.n_busy:
+        busy.add(rng.randint(1, config.max_day))
+    return World(origin, destination, first, last, nights, flights, hotels, tuple(sorted(busy)),
+                 budget=0, max_day=config.max_day)
+
+
+def generate_world(rng: random.Random, config: TripWorldConfig = TripWorldConfig()) -> World:
+    """A world with at least one valid plan and a unique cheapest one.
+
+    With probability `trap_rate` the cheapest flight conflicts with the calendar (the agent
+    must check before it books); otherwise it does not (the agent must not over-avoid).
+    """
+    want_trap = rng.random() < config.trap_rate
+    for _ in range(10_000):  # rejection sampling: a valid world comes within a few draws
+        world = _draw_world(rng, config)
+        if all(world.conflicts(f) for f in world.flights):
+            continue
+        cheapest = min(world.flights, key=lambda f: f.price)
+        if bool(world.conflicts(cheapest)) != want_trap:
+            continue
+        # The budget never decides the best plan (it admits the cheapest valid one by
+        # construction); it bounds the demonstrator's pricier choices and the agent's mistakes.
+        best = min(world.cost(f, h) for f in world.flights for h in world.hotels if not world.conflicts(f))
+        world = replace(world, budget=int(math.ceil(best * (1 + rng.uniform(*config.budget_slack)) / 10) * 10))
+        plans = valid_plans(world)
+        if len(plans) == 1 or plans[0][2] < plans[1][2]:
+            return world
+    raise RuntimeError(f"trip_world: no valid world in 10000 draws for {config}")
+
+
+def task_prompt(world: World) -> str:
+    """The user turn, e.g. 'Trip LON>ROM, leave day 4-6, 3 nights, budget 900. Book the cheapest valid trip.'"""
+    return (f"Trip {world.origin}>{world.destination}, leave day {world.first_day}-{world.last_day}, "
+            f"{world.nights} nights, budget {world.budget}. Book the cheapest valid trip.")
+
+
+def world_id(world: World) -> str:
+    """A short stable id (for `Task.id`): route, window, nights and a digest of the rest."""
+    digest = hashlib.sha1(to_json(world.to_dict()).encode()).hexdigest()[:8]
+    return f"{world.origin}>{world.destination}:{world.first_day}-{world.last_day}:{world.nights}:{digest}"
+
+
+# --- tools ---------------------------------------------------------------------------------------
+
+
+def _counted(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Count every call and every failed call, whatever the executor does with the exception."""
+
+    @functools.wraps(method)
+    def wrapper(self: TripTools, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(method.__name__)
+        try:
+            return method(self, *args, **kwargs)
+        except Exception:
+            self.errors += 1
+            raise
+
+    return wrapper
+
+
+def _city(value: Any) -> str:
+    return str(value).strip().upper()
+
+
+def _day(value: Any, name: str, max_day: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a whole day number")
+    if not 1 <= value <= max_day:
+        raise ValueError(f"{name} must be 1-{max_day}")
+    return value
+
+
+class TripTools:
+    """The simulated tools over one world, with the state `book` and `score_booking` need.
+
+    Methods are the tools (typed, documented: `Tool.from_function(tools.book)` works).
+    A failing call raises ValueError with a short message; the executor shows it as an error.
+    """
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.calls: list[str] = []  # tool names in call order, failed calls included
+        self.errors = 0
+        self.searched_flights = False
+        self.searched_hotels = False
+        self.checked_days: set[int] = set()
+        self.booking: tuple[str, str, int] | None = None  # (flight_id, hotel_id, cost)
+
+    def functions(self) -> list[Callable[..., Any]]:
+        """The tools as bound methods, in the order the model is shown them."""
+        return [getattr(self, name) for name in TOOL_NAMES]
+
+    @_counted
+    def search_flights(self, origin: str, dest: str) -> list[dict[str, Any]]:
+        """Search flights from one city to another.
+
+        Args:
+            origin: 3-letter code of the city to fly from, e.g. LON.
+            dest: 3-letter code of the city to fly to, e.g. ROM.
+        """
+        w = self.world
+        if (_city(origin), _city(dest)) != (w.origin, w.destination):
+            raise ValueError(f"no flights {_city(origin)}>{_city(dest)}")
+        self.searched_flights = True
+        return [{"id": f.id, "day": f.day, "price": f.price} for f in w.flights]
+
+    @_counted
+    def search_hotels(self, city: str, nights: int) -> list[dict[str, Any]]:
+        """Search hotels in a city; each price is the total for the given number of nights.
+
+        Args:
+            city: 3-letter code of the city, e.g. ROM.
+            nights: How many nights to stay.
+        """
+        if _city(city) != self.world.destination:
+            raise ValueError(f"no hotels in {_city(city)}")
+        nights = _day(nights, "nights", self.world.max_day)
+        self.searched_hotels = True
+        return [{"id": h.id, "price": nights * h.night} for h in self.world.hotels]
+
+    @_counted
+    def check_calendar(self, start: int, end: int) -> dict[str, list[int]]:
+        """List the days the traveller is busy between two days, inclusive.
+
+        Args:
+            start: First day to check.
+            end: Last day to check.
+        """
+        start, end = _day(start, "start", self.world.max_day), _day(end, "end", self.world.max_day)
+        if start > end:
+            raise ValueError(f"start {start} is after end {end}")
+        self.checked_days.update(range(start, end + 1))
+        return {"busy": [d for d in self.world.busy if start <= d <= end]}
+
+    @_counted
+    def book(self, flight: str, hotel: str) -> dict[str, Any]:
+        """Book a flight and a hotel for the trip; the trip takes the flight day through the day home.
+
+        Args:
+            flight: Id of the flight, e.g. F2.
+            hotel: Id of the hotel, e.g. H1.
+        """
+        f, h = self._booking_options(str(flight).strip().upper(), str(hotel).strip().upper())
+        w = self.world
+        stay = w.stay(f)
+        if not set(stay) <= self.checked_days:
+            raise ValueError(f"check calendar days {stay[0]}-{stay[-1]} first")
+        if w.conflicts(f):
+            raise ValueError(f"day {w.conflicts(f)[0]} busy")
+        cost = w.cost(f, h)
+        if cost > w.budget:
+            raise ValueError(f"cost {cost} over budget {w.budget}")
+        self.booking = (f.id, h.id, cost)
+        return {"booked": f"{f.id},{h.id}", "cost": cost}
+
+    def _booking_options(self, flight_id: str, hotel_id: str) -> tuple[Flight, Hotel]:
+        """The searched flight and hotel these ids name, or the first reason they cannot be booked."""
+        if self.booking is not None:
+            raise ValueError("already booked")
+        if not self.searched_flights:
+            raise ValueError("search flights first")
+        if not self.searched_hotels:
+            raise ValueError("search hotels first")
+        flights, hotels = {f.id: f for f in self.world.flights}, {h.id: h for h in self.world.hotels}
+        if flight_id not in flights:
+            raise ValueError(f"unknown flight {flight_id}")
+        if hotel_id not in hotels:
+            raise ValueError(f"unknown hotel {hotel_id}")
+        return flights[flight_id], hotels[hotel_id]
+
+    def call(self, name: str, arguments: dict[str, Any]) -> Any:
+        """Run tool `name` with keyword `arguments` (raises ValueError on an unknown name)."""
+        if name not in TOOL_NAMES:
+            self.calls.append(name)
+            self.errors += 1  # counted like any failed call, though no method ran
+            raise ValueError(f"unknown tool {name}")
+        return getattr(self, name)(**arguments)
+
+
+def replay(world: World, calls: list[tuple[str, dict[str, Any]]]) -> tuple[TripTools, list[str]]:
+    """Run `calls` on a fresh `TripTools`; each observation is compact JSON or 'error: <message>'."""
+    tools, observations = TripTools(world), []
+    for name, arguments in calls:
+        try:
+            observations.append(to_json(tools.call(name, arguments)))
+        except Exception as exc:  # the agent's mistakes are observations, not crashes
+            observations.append(f"error: {exc}")
+    return tools, observations
+
+
+# --- the demonstrator and the score ---------------------------------------------------------------
+
+
+def _calendar_calls(world: World, rng: random.Random, waste_rate: float) -> list[tuple[str, dict]]:
+    """One check over every possible stay; when wasteful, per flight day or the same check twice."""
+    days = sorted({f.day for f in world.flights})
+    whole = ("check_calendar", {"start": days[0], "end": days[-1] + world.nights})
+    if rng.random() >= waste_rate:
+        return [whole]
+    if len(days) > 1 and rng.random() < 0.5:
+        return [("check_calendar", {"start": d, "end": d + world.nights}) for d in days]
+    return [whole, whole]
+
+
+def demonstrator_calls(world: World, rng: random.Random, *, waste_rate: float = 0.5,
+                       pricier_rate: float = 0.3) -> list[tuple[str, dict[str, Any]]]:
+    """The scripted demonstrator's (tool, arguments) calls, ending with a `book` that always succeeds.
+
+    Correct but wasteful, like a careful person: with `waste_rate` it repeats a search or
+    checks the calendar twice or flight by flight, and with `pricier_rate` it books a valid
+    plan that is not the cheapest (when one exists within budget).
+    """
+    flights = ("search_flights", {"origin": world.origin, "dest": world.destination})
+    hotels = ("search_hotels", {"city": world.destination, "nights": world.nights})
+    calls = [flights] * (2 if rng.random() < waste_rate / 2 else 1)
+    calls += [hotels] * (2 if rng.random() < waste_rate / 2 else 1)
+    calls += _calendar_calls(world, rng, waste_rate)
+    plans = valid_plans(world)
+    flight_id, hotel_id, _ = rng.choice(plans[1:]) if len(plans) > 1 and rng.random() < pricier_rate else plans[0]
+    return calls + [("book", {"flight": flight_id, "hotel": hotel_id})]
+
+
+def score_booking(world: World, tools: TripTools) -> dict[str, Any]:
+    """Outcome facts for rewards: did a valid booking happen, at what cost, with how many calls and errors.
+
+    `cost` and `cost_ratio` are None without a booking; `optimal` is True when the booked
+    plan is the cheapest valid one; `extra_calls` counts calls beyond `MIN_TOOL_CALLS`.
+    """
+    optimal_cost = optimal_plan(world)[2]
+    cost = tools.booking[2] if tools.booking else None
+    booked = cost is not None  # `book` only records valid plans
+    return {"success": booked, "cost": float(cost) if booked else None, "optimal_cost": float(optimal_cost),
+            "cost_ratio": cost / optimal_cost if booked else None, "optimal": cost == optimal_cost,
+            "tool_calls": len(tools.calls), "extra_calls": len(tools.calls) - MIN_TOOL_CALLS,
+            "errors": tools.errors}
+
+
+def split(config: TripWorldConfig = TripWorldConfig()) -> tuple[list[World], list[World]]:
+    """Disjoint (train, held-out) worlds, deterministic for `config.seed`.
+
+    World i is drawn from its own seeded RNG, so the held-out set (the first indices) never
+    changes when `train_size` does; duplicates, within a split or across, are dropped.
+    """
+    worlds: list[World] = []
+    seen: set[World] = set()
+    index = 0
+    while len(worlds) < config.heldout_size + config.train_size:
+        world = generate_world(random.Random(f"trip:{config.seed}:{index}"), config)
+        index += 1
+        if world not in seen:
+            seen.add(world)
+            worlds.append(world)
+    return worlds[config.heldout_size:], worlds[: config.heldout_size]

@@ -1,0 +1,154 @@
+"""End-to-end tier: a few RL steps on the tiny model, resume, algorithm variants, CLI errors."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tamer.cli import app
+from tamer.evaluate import EvalConfig
+from tamer.rewards import RewardComposer, RewardConfig
+from tamer.tasks import ArithmeticTasks
+from tamer.tracking import Tracker, read_metrics
+from tamer.trainers.common import OptimConfig
+from tamer.trainers.rl import AlgorithmConfig, RLConfig, RLTrainer
+
+EVAL = EvalConfig(size=8, max_new_tokens=8)
+
+
+def _trainer(model, tokenizer, tmp_path, tracker=None, **overrides):
+    algorithm = overrides.pop("algorithm", AlgorithmConfig())
+    cfg = RLConfig(**{"steps": 3, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 8,
+                      "optim": OptimConfig(lr=1e-3), "eval_every": 0, "algorithm": algorithm, **overrides})
+    train, held = ArithmeticTasks().split()
+    # A dense reward (length) guarantees spread within groups even for an untrained model.
+    rewards = RewardComposer(RewardConfig(weights={"correctness": 1.0, "length": 1.0}, params={"length": {"max_tokens": 8}}))
+    return RLTrainer(model, tokenizer, train, held, rewards, cfg, EVAL, run_dir=tmp_path, tracker=tracker)
+
+
+class _Collect:
+    def __init__(self):
+        self.records = {}
+
+    def log(self, metrics, step):
+        self.records.setdefault(step, {}).update(metrics)
+
+    def print(self, msg):
+        pass
+
+
+def test_few_steps_finite_loss_and_parameters_move(tiny_model, tokenizer, tmp_path):
+    before = [p.detach().clone() for p in tiny_model.parameters()]
+    log = _Collect()
+    final = _trainer(tiny_model, tokenizer, tmp_path, log).train()
+    assert set(log.records) == {1, 2, 3} and "eval/accuracy" in final
+    for step in (1, 2, 3):
+        assert torch.isfinite(torch.tensor(log.records[step]["train/loss"]))
+        assert log.records[step]["rollout/trajectories"] == 16
+    moved = sum(not torch.equal(a, b) for a, b in zip(before, tiny_model.parameters()))
+    assert moved == len(before)
+
+
+@pytest.mark.parametrize("algorithm", [
+    AlgorithmConfig(advantage="dr_grpo", aggregation="seq-mean-token-sum-norm"),
+    AlgorithmConfig(advantage="rloo", aggregation="seq-mean-token-mean"),
+    AlgorithmConfig(advantage="reinforce_pp", clip_eps_high=0.28, dual_clip_c=3.0),
+    AlgorithmConfig(policy_loss="gspo"),
+    AlgorithmConfig(kl_coef=0.1, kl_estimator="k3"),
+    AlgorithmConfig(dynamic_sampling="refill"),
+])
+def test_algorithm_variants_train(tiny_model, tokenizer, tmp_path, algorithm):
+    log = _Collect()
+    trainer = _trainer(tiny_model, tokenizer, tmp_path, log, steps=2, ppo_epochs=2, mini_batches=2, algorithm=algorithm)
+    assert (trainer.ref_model is not None) == (algorithm.kl_coef > 0)
+    trainer.train()
+    for step in (1, 2):
+        assert torch.isfinite(torch.tensor(log.records[step]["train/loss"]))
+        if algorithm.kl_coef > 0:
+            assert log.records[step]["train/kl"] >= 0.0
+        else:
+            assert "train/kl" not in log.records[step]
+
+
+def test_dynamic_sampling_drop_keeps_only_groups_with_spread(tiny_model, tokenizer, tmp_path):
+    trainer = _trainer(tiny_model, tokenizer, tmp_path, algorithm=AlgorithmConfig(dynamic_sampling="drop"))
+    kept, metrics = trainer.collect(step=1)
+    by_group = {}
+    for t in kept:
+        by_group.setdefault(t.group_id, set()).add(t.reward)
+    assert all(len(r) > 1 for r in by_group.values())
+    assert metrics["rollout/kept"] == len(kept)
+
+
+def _metrics_after(model, tokenizer, run_dir, steps):
+    with Tracker(run_dir, console=False, tensorboard=False) as tracker:
+        _trainer(model, tokenizer, run_dir, tracker, steps=steps, checkpoint_every=2).train()
+    return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}
+
+
+def test_resume_matches_uninterrupted_run(tokenizer, tmp_path):
+    from tests.conftest import TINY
+    from tamer.models import build_tiny_model
+
+    full = _metrics_after(build_tiny_model(tokenizer, TINY), tokenizer, tmp_path / "full", steps=4)
+    _metrics_after(build_tiny_model(tokenizer, TINY), tokenizer, tmp_path / "part", steps=2)  # "crash" after step 2
+    with Tracker(tmp_path / "part", console=False, tensorboard=False, append=True) as tracker:
+        trainer = _trainer(build_tiny_model(tokenizer, TINY), tokenizer, tmp_path / "part", tracker, steps=4, checkpoint_every=2)
+        assert trainer.resume(tmp_path / "part" / "checkpoints" / "step-000002") == 2
+        trainer.train()
+    resumed = {r["step"]: r for r in read_metrics(tmp_path / "part" / "metrics.jsonl")}
+    for step in (3, 4):
+        for key in ("reward/mean", "train/loss", "train/grad_norm", "rollout/mean_length"):
+            assert resumed[step][key] == pytest.approx(full[step][key], rel=1e-5, abs=1e-6), (step, key)
+
+
+runner = CliRunner()
+
+
+def test_cli_bad_config_fails_before_work(tmp_path):
+    result = runner.invoke(app, ["train", "--set", "rl.optim.lr=abc", "-o", str(tmp_path)])
+    assert result.exit_code == 2 and "rl.optim.lr" in result.output
+    assert not any(tmp_path.iterdir())  # nothing was started
+
+
+def test_cli_bad_dataset_names_file_and_row(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
+    result = runner.invoke(app, ["sft", "--set", "task.name=dataset", "--set", f"task.dataset.path={data}",
+                                 "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "d.jsonl, row 2" in result.output
+
+
+def test_cli_demo_end_to_end_small(tmp_path):
+    out = tmp_path / "demo"
+    args = ["demo", "-o", str(out), "--set", "model.tiny.hidden_size=32", "--set", "model.tiny.num_layers=1",
+            "--set", "model.tiny.intermediate_size=64", "--set", "sft.steps=10", "--set", "rl.steps=2",
+            "--set", "rl.prompts_per_step=2", "--set", "rl.group_size=2", "--set", "eval.size=6",
+            "--set", "rl.eval_every=1", "--set", "tracking.tensorboard=false"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("demonstrator_accuracy", "sft_accuracy", "rl_accuracy"):
+        assert 0.0 <= summary[key] <= 1.0
+    assert summary["rl_steps"] == 2 and summary["seconds"] > 0
+    assert (out / "reward_accuracy.png").stat().st_size > 0
+    assert (out / "rl" / "model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_ppo_with_critic_trains(tiny_model, tokenizer, tmp_path, shared):
+    from tamer.trainers.critic import CriticConfig
+
+    log = _Collect()
+    trainer = _trainer(tiny_model, tokenizer, tmp_path, log, steps=2, ppo_epochs=2,
+                       algorithm=AlgorithmConfig(advantage="gae"), critic=CriticConfig(shared=shared, kl_in_reward=0.05))
+    head_before = trainer.critic.model.head.weight.detach().clone()
+    trainer.train()
+    assert trainer.ref_model is not None  # KL in the reward needs the reference
+    for step in (1, 2):
+        assert torch.isfinite(torch.tensor(log.records[step]["critic/value_loss"]))
+        assert torch.isfinite(torch.tensor(log.records[step]["train/loss"]))
+    assert not torch.equal(head_before, trainer.critic.model.head.weight)
+    separate = {id(p) for p in trainer.critic.model.trunk.parameters()} & {id(p) for p in tiny_model.parameters()}
+    assert bool(separate) == shared
