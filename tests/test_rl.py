@@ -152,3 +152,22 @@ def test_ppo_with_critic_trains(tiny_model, tokenizer, tmp_path, shared):
     assert not torch.equal(head_before, trainer.critic.model.head.weight)
     separate = {id(p) for p in trainer.critic.model.trunk.parameters()} & {id(p) for p in tiny_model.parameters()}
     assert bool(separate) == shared
+
+
+def test_raising_reward_is_logged_once_and_training_goes_on(tiny_model, tokenizer, tmp_path):
+    class Log(_Collect):
+        printed: list = []
+
+        def print(self, msg):
+            self.printed.append(msg)
+
+    def broken(traj):
+        raise KeyError("missing field")
+
+    train, held = ArithmeticTasks().split()
+    rewards = RewardComposer(RewardConfig(weights={"length": 1.0, "broken": 1.0}), extra={"broken": broken})
+    cfg = RLConfig(steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=0)
+    log = Log()
+    RLTrainer(tiny_model, tokenizer, train, held, rewards, cfg, EVAL, run_dir=tmp_path, tracker=log).train()
+    assert len(log.printed) == 1 and "KeyError: 'missing field'" in log.printed[0]
+    assert log.records[2]["reward/errors_total"] == 8

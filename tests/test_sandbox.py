@@ -257,7 +257,7 @@ def _tcp_connect_code(port: int) -> str:
 @pytest.mark.parametrize("fallback", [False, True], ids=["netns", "seccomp"])
 def test_network_connection_to_localhost_is_blocked(monkeypatch, fallback):
     if fallback:  # pretend the kernel refuses network namespaces; the forked child sees the patch
-        monkeypatch.setattr(sandbox, "_enter_netns", lambda fd: False)
+        monkeypatch.setattr(sandbox.linux, "enter_netns", lambda fd: False)
     server = _Server()
     try:
         result = run_python(_tcp_connect_code(server.port) + "\nsocket.socketpair()", FAST)
@@ -329,8 +329,8 @@ print(os.read(r, 32).decode())
 
 @needs_root
 def test_missing_layers_are_reported_and_require_enforces_them(monkeypatch):
-    real = sandbox._unshare  # the forked child sees the patch: refuse it a mount namespace
-    monkeypatch.setattr(sandbox, "_unshare", lambda flags: not flags & sandbox.CLONE_NEWNS and real(flags))
+    real = sandbox.linux.unshare  # the forked child sees the patch: refuse it a mount namespace
+    monkeypatch.setattr(sandbox.linux, "unshare", lambda flags: not flags & sandbox.linux.CLONE_NEWNS and real(flags))
     result = run_python("print('still runs')", FAST)
     assert result.ok and "mountns" not in result.protections
     assert any("mount namespace" in w for w in result.warnings)

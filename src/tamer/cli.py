@@ -33,13 +33,13 @@ OutOpt = typer.Option(None, "--output-dir", "-o", help="Where metrics, checkpoin
 
 
 def _config(config: Optional[Path], overrides: Optional[list[str]], seed: Optional[int], output_dir: Optional[str],
-            extra: Optional[list[str]] = None):
+            extra: Optional[list[str]] = None, preset: Optional[list[str]] = None):
     from tamer.pipeline import RunConfig, with_seed
 
     items = list(overrides or []) + list(extra or [])
     if output_dir:
         items.append(f"output_dir={output_dir}")
-    cfg = load_config(RunConfig, config, items)
+    cfg = load_config(RunConfig, config, items, preset=preset)
     return with_seed(cfg, seed) if seed is not None else cfg
 
 
@@ -61,18 +61,37 @@ def _table(title: str, rows: list[tuple[str, str]]) -> None:
     console.print(table)
 
 
+def _agent_table(summary: dict) -> None:
+    table = Table(title=f"{summary['task']}: {summary['heldout_size']} held-out tasks")
+    for column in ("agent", "success rate", "tool calls", "cost / optimal", "error rate"):
+        table.add_column(column, justify="left" if column == "agent" else "right")
+    for name, key in (("demonstrator", "demonstrator"), ("SFT", "sft"), (f"GRPO ({summary['rl_steps']} steps)", "rl")):
+        m = summary[key]
+        table.add_row(name, *(f"{m[k]:.3f}" if m[k] is not None else "-" for k in
+                              ("success_rate", "mean_tool_calls", "mean_cost_ratio", "error_rate")))
+    console.print(table)
+
+
 @app.command()
 def demo(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
+         env: str = typer.Option("arithmetic", "--env", "-e", help="Built-in task to demo: arithmetic, calculator, trip_planner."),
          seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt) -> None:
     """Build a tiny model, SFT it on the demonstrator, improve it with GRPO, compare on held-out tasks.
 
-    Writes OUTPUT_DIR/summary.json (demonstrator_accuracy, sft_accuracy, rl_accuracy, rl_steps,
-    seconds) and OUTPUT_DIR/reward_accuracy.png.
+    Writes OUTPUT_DIR/summary.json (demonstrator, SFT and RL figures, rl_steps, seconds) and
+    OUTPUT_DIR/reward_accuracy.png. Default OUTPUT_DIR: runs/demo (runs/demo-ENV for tool tasks).
     """
-    cfg = _guard(lambda: _config(config, set_, seed, output_dir))
-    from tamer.pipeline import run_demo
+    from tamer.pipeline import DEMO_PRESETS, run_demo
 
+    if env not in DEMO_PRESETS:
+        console.print(f"[bold red]error:[/] --env: unknown {env!r}; valid: {', '.join(DEMO_PRESETS)}", soft_wrap=True)
+        raise typer.Exit(2)
+    cfg = _guard(lambda: _config(config, set_, seed, output_dir, preset=DEMO_PRESETS[env]))
     summary = _guard(lambda: run_demo(cfg))
+    if "demonstrator" in summary:
+        _agent_table(summary)
+        console.print(f"total {summary['seconds']:.0f} s; summary: {Path(cfg.output_dir) / 'summary.json'}")
+        return
     _table(f"{summary['task']}: held-out accuracy ({summary['heldout_size']} tasks)", [
         ("demonstrator", f"{summary['demonstrator_accuracy']:.3f}"),
         ("SFT", f"{summary['sft_accuracy']:.3f}"),

@@ -141,8 +141,9 @@ def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None) -> T:
-    """A `cls` config from an optional YAML file plus `key=value` overrides."""
+def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | None = None,
+                preset: list[str] | None = None) -> T:
+    """A `cls` config: defaults < `preset` (key=value) < YAML file < `overrides` (key=value)."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -154,5 +155,5 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
             raise ConfigError(f"{path}: not valid YAML: {err}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
-    data = merge(data, parse_overrides(overrides or []))
+    data = merge(merge(parse_overrides(preset or []), data), parse_overrides(overrides or []))
     return from_dict(cls, data)

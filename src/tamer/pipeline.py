@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,13 +22,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.checkpoint import latest_checkpoint
 from tamer.config import to_dict
-from tamer.evaluate import EvalConfig, EvalReport, demonstrator_accuracy, evaluate
+from tamer.evaluate import EvalConfig, EvalReport, agent_metrics, demonstrator_accuracy, evaluate
 from tamer.models import (
     TinyModelConfig, build_char_tokenizer, build_tiny_model, count_parameters, load_model, save_model,
     stop_token_ids,
 )
 from tamer.rewards import RewardComposer, RewardConfig
-from tamer.rollout.agent import AgentConfig
+from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.rollout.engine import HFEngine
 from tamer.rollout.runner import Rollout
 from tamer.tasks import TaskConfig, get_task_source
@@ -76,6 +77,30 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn budgets for environment tasks
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+# `tamer demo --env NAME`: the settings each built-in environment's demo runs with
+# (applied before the user's own --config/--set, which win).
+DEMO_PRESETS: dict[str, list[str]] = {
+    "arithmetic": [],
+    "calculator": [
+        "task.name=calculator", "output_dir=runs/demo-calculator", "task.calculator.train_size=2000",
+        "agent.show_tools=false", "agent.max_turns=6", "agent.max_total_tokens=768",
+        "model.tiny.max_position_embeddings=2048", "sft.steps=400", "sft.batch_size=16",
+        "rl.steps=30", "rl.prompts_per_step=8", "rl.group_size=8", "rl.max_new_tokens=64", "rl.eval_every=10",
+        "eval.size=300", "eval.max_new_tokens=64",
+        "reward.weights={correctness: 1.0, steps: 1.0}", "reward.params={steps: {per_call: 0.05}}",
+    ],
+    "trip_planner": [
+        "task.name=trip_planner", "output_dir=runs/demo-trip_planner", "task.trip_planner.world.train_size=2000",
+        "agent.show_tools=false", "agent.max_turns=8", "agent.max_total_tokens=1400",
+        "model.tiny.max_position_embeddings=2048", "sft.steps=400", "sft.batch_size=16",
+        "rl.steps=30", "rl.prompts_per_step=8", "rl.group_size=8", "rl.max_new_tokens=96", "rl.eval_every=10",
+        "eval.size=300", "eval.max_new_tokens=96",
+        "reward.weights={correctness: 1.0, cost: 2.0, steps: 1.0}",
+        "reward.params={steps: {per_call: 0.1, free_calls: 4}}",
+    ],
+}
 
 
 def with_seed(config: RunConfig, seed: int) -> RunConfig:
@@ -173,7 +198,17 @@ def run_eval(config: RunConfig) -> dict[str, Any]:
     return {"accuracy": report.accuracy, "num_tasks": report.num_tasks, **report.metrics()}
 
 
-def run_demo(config: RunConfig, console: Tracker | None = None) -> dict[str, Any]:
+AGENT_KEYS = ("success_rate", "mean_tool_calls", "mean_cost_ratio", "error_rate")
+
+
+def demonstrator_agent_metrics(source: TaskSource, tasks: list[Task], tokenizer, agent: AgentConfig, seed: int) -> dict:
+    """The scripted demonstrator's episodes on `tasks`, replayed through their environments."""
+    rng = random.Random(seed)
+    replayer = AgentRollout(None, tokenizer, agent)
+    return agent_metrics([replayer.replay(t, source.demonstrate_turns(t, rng)) for t in tasks])
+
+
+def run_demo(config: RunConfig) -> dict[str, Any]:
     """Tiny model -> SFT on the demonstrator -> GRPO; held-out table and summary.json."""
     start = time.perf_counter()
     out = Path(config.output_dir)
@@ -181,6 +216,8 @@ def run_demo(config: RunConfig, console: Tracker | None = None) -> dict[str, Any
     source = get_task_source(config.task)
     _, heldout = source.split()
     eval_tasks = heldout[: config.eval.size] if config.eval.size else heldout
+    if eval_tasks[0].env is not None:
+        return _agent_demo(config, model, tokenizer, source, eval_tasks, start)
     demo_acc = demonstrator_accuracy(source, eval_tasks, seed=config.sft.seed)
     sft = run_sft(config, model, tokenizer, source)
     rl = run_rl(config, model, tokenizer)
@@ -193,6 +230,28 @@ def run_demo(config: RunConfig, console: Tracker | None = None) -> dict[str, Any
         "sft_model": sft["model_path"], "rl_model": rl["model_path"], "config": to_dict(config),
     }
     plot_metrics(out / "rl" / "metrics.jsonl", out / "reward_accuracy.png", title="GRPO after SFT")
+    summary["plot"] = str(out / "reward_accuracy.png")
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+def _agent_demo(config: RunConfig, model, tokenizer, source: TaskSource, eval_tasks: list[Task], start: float) -> dict:
+    """The demo for tool-using tasks: success, tool calls, cost over the optimum, errors."""
+    out = Path(config.output_dir)
+    demo = demonstrator_agent_metrics(source, eval_tasks, tokenizer, config.agent, config.sft.seed)
+    sft = run_sft(config, model, tokenizer, source)
+    rl = run_rl(config, model, tokenizer)
+    pick = lambda metrics, prefix: {k: metrics.get(f"{prefix}/{k}") for k in AGENT_KEYS}  # noqa: E731
+    summary = {
+        "task": config.task.name, "heldout_size": len(eval_tasks),
+        "demonstrator": {k: demo[k] for k in AGENT_KEYS}, "sft": pick(sft, "sft_eval"), "rl": pick(rl, "eval"),
+        "rl_steps": rl["rl_steps"], "seconds": time.perf_counter() - start,
+        "sft_seconds": sft["sft_seconds"], "rl_seconds": rl["rl_seconds"],
+        "model_parameters": count_parameters(model), "config": to_dict(config),
+    }
+    plot_metrics(out / "rl" / "metrics.jsonl", out / "reward_accuracy.png",
+                 keys=("reward/mean", "eval/success_rate", "eval/mean_tool_calls", "eval/mean_cost_ratio"),
+                 title=f"GRPO on {config.task.name}")
     summary["plot"] = str(out / "reward_accuracy.png")
     write_json(out / "summary.json", summary)
     return summary

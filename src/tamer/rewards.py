@@ -23,6 +23,7 @@ from typing import Any, Callable
 from tamer.registry import Registry
 from tamer.rollout.types import Trajectory
 from tamer.tasks.base import ANSWER_RE, is_correct
+from tamer.tasks.code_check import unit_tests
 
 RewardFn = Callable[..., float]
 REWARDS: Registry[RewardFn] = Registry("reward function")
@@ -30,9 +31,15 @@ REWARDS: Registry[RewardFn] = Registry("reward function")
 
 @REWARDS.register("correctness")
 def correctness(traj: Trajectory) -> float:
-    """1 when the final answer matches the task's reference, else 0."""
-    if "success" in traj.info:  # environments that judge the outcome themselves
+    """1 when the final answer matches the task's reference, else 0.
+
+    Environments judge the outcome themselves (`info["success"]`); tasks whose answers are
+    checked by a reward function (meta "check", e.g. unit tests) count a full score as correct.
+    """
+    if "success" in traj.info:
         return float(traj.info["success"])
+    if "check" in traj.task.meta:
+        return float(REWARDS.get(traj.task.meta["check"])(traj) >= 1.0)
     return float(is_correct(traj.text, traj.task))
 
 
@@ -78,6 +85,11 @@ def cost_penalty(traj: Trajectory, *, scale: float = 1.0) -> float:
 def process_reward(traj: Trajectory) -> float:
     """Sum of the per-turn (process) rewards the environment gave."""
     return sum(t.env_reward for t in traj.turns)
+
+
+# The code task's reward (the fraction of hidden unit tests passed) lives with the task, in
+# tamer/tasks/code_check.py; it is registered here because that module cannot import this one.
+REWARDS.register("unit_tests")(unit_tests)
 
 
 @dataclass(frozen=True)

@@ -7,17 +7,19 @@ from dataclasses import dataclass, field
 from tamer.tasks.arithmetic import ArithmeticConfig, ArithmeticTasks
 from tamer.tasks.base import TASK_SOURCES, Task, TaskPool, TaskSource, extract_answer, is_correct
 from tamer.tasks.calculator import CalculatorConfig, CalculatorTasks
+from tamer.tasks.code import CodeConfig, CodeTasks
 from tamer.tasks.dataset import DatasetConfig, DatasetError, DatasetTasks
 from tamer.tasks.trip_planner import TripPlannerConfig, TripPlannerTasks
 
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Which task: `arithmetic`, `calculator`, `trip_planner` (built in) or `dataset` (your files)."""
+    """Which task: `arithmetic`, `calculator`, `code`, `trip_planner` (built in) or `dataset` (your files)."""
 
     name: str = "arithmetic"
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     calculator: CalculatorConfig = field(default_factory=CalculatorConfig)
+    code: CodeConfig = field(default_factory=CodeConfig)
     trip_planner: TripPlannerConfig = field(default_factory=TripPlannerConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
 
@@ -34,8 +36,8 @@ def get_task_source(config: TaskConfig) -> TaskSource:
 
 
 __all__ = [
-    "ArithmeticConfig", "ArithmeticTasks", "CalculatorConfig", "CalculatorTasks", "TripPlannerConfig",
-    "TripPlannerTasks", "DatasetConfig", "DatasetError", "DatasetTasks",
+    "ArithmeticConfig", "ArithmeticTasks", "CalculatorConfig", "CalculatorTasks", "CodeConfig", "CodeTasks",
+    "TripPlannerConfig", "TripPlannerTasks", "DatasetConfig", "DatasetError", "DatasetTasks",
     "TASK_SOURCES", "Task", "TaskConfig", "TaskPool", "TaskSource", "extract_answer",
     "get_task_source", "is_correct",
 ]

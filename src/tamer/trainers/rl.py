@@ -156,6 +156,7 @@ class RLTrainer:
         self.policy_loss_fn = get_policy_loss_fn(config.algorithm.policy_loss)
         self.step = 0
         self.last_eval: dict[str, float] = {}
+        self._reported_reward_error = False
 
     @property
     def uses_critic(self) -> bool:
@@ -220,7 +221,8 @@ class RLTrainer:
 
     def _score(self, trajs: list[Trajectory]) -> None:
         stats = self.rewards.score(trajs)
-        if stats.first_traceback and self.tracker is not None and self.rewards.total_errors == sum(stats.errors.values()):
+        if stats.first_traceback and not self._reported_reward_error and self.tracker is not None:
+            self._reported_reward_error = True  # the first traceback once; the count is in every log line
             self.tracker.print(f"[reward error, counted and scored as default]\n{stats.first_traceback}")
 
     @staticmethod

@@ -1,0 +1,263 @@
+"""The built-in problems of the `code` task: small, classic functions with hidden tests.
+
+Each problem is a row in the same format as a user's JSONL file (see tamer/tasks/code.py):
+`signature`, `description`, `entry_point`, `tests` (assert statements, each counted on its
+own) and a reference `solution` that passes them all (tests/test_code_task.py checks that).
+"""
+
+from __future__ import annotations
+
+PROBLEMS: tuple[dict, ...] = (
+    {"entry_point": "reverse_string", "signature": "def reverse_string(s: str) -> str:",
+     "description": "Return s reversed.",
+     "tests": ["assert reverse_string('abc') == 'cba'", "assert reverse_string('') == ''",
+               "assert reverse_string('a') == 'a'", "assert reverse_string('racecar!') == '!racecar'"],
+     "solution": "def reverse_string(s: str) -> str:\n    return s[::-1]\n"},
+    {"entry_point": "is_palindrome", "signature": "def is_palindrome(s: str) -> bool:",
+     "description": "True if s reads the same backwards, ignoring case and non-alphanumeric characters.",
+     "tests": ["assert is_palindrome('A man, a plan, a canal: Panama') is True",
+               "assert is_palindrome('abca') is False", "assert is_palindrome('') is True",
+               "assert is_palindrome('No lemon, no melon') is True", "assert is_palindrome('ab') is False"],
+     "solution": "def is_palindrome(s: str) -> bool:\n"
+                 "    t = [c.lower() for c in s if c.isalnum()]\n    return t == t[::-1]\n"},
+    {"entry_point": "count_vowels", "signature": "def count_vowels(s: str) -> int:",
+     "description": "The number of vowels (a, e, i, o, u, either case) in s.",
+     "tests": ["assert count_vowels('hello') == 2", "assert count_vowels('') == 0",
+               "assert count_vowels('AEIOU') == 5", "assert count_vowels('rhythm') == 0",
+               "assert count_vowels('Programming') == 3"],
+     "solution": "def count_vowels(s: str) -> int:\n    return sum(c in 'aeiouAEIOU' for c in s)\n"},
+    {"entry_point": "fizzbuzz", "signature": "def fizzbuzz(n: int) -> str:",
+     "description": "'FizzBuzz' if n is divisible by 15, 'Fizz' by 3, 'Buzz' by 5, else str(n).",
+     "tests": ["assert fizzbuzz(1) == '1'", "assert fizzbuzz(3) == 'Fizz'", "assert fizzbuzz(10) == 'Buzz'",
+               "assert fizzbuzz(30) == 'FizzBuzz'", "assert fizzbuzz(7) == '7'"],
+     "solution": "def fizzbuzz(n: int) -> str:\n    if n % 15 == 0:\n        return 'FizzBuzz'\n"
+                 "    if n % 3 == 0:\n        return 'Fizz'\n    if n % 5 == 0:\n        return 'Buzz'\n"
+                 "    return str(n)\n"},
+    {"entry_point": "gcd", "signature": "def gcd(a: int, b: int) -> int:",
+     "description": "The greatest common divisor of two non-negative integers; gcd(0, 0) == 0.",
+     "tests": ["assert gcd(12, 18) == 6", "assert gcd(7, 13) == 1", "assert gcd(0, 5) == 5",
+               "assert gcd(0, 0) == 0", "assert gcd(100, 75) == 25"],
+     "solution": "def gcd(a: int, b: int) -> int:\n    while b:\n        a, b = b, a % b\n    return a\n"},
+    {"entry_point": "lcm", "signature": "def lcm(a: int, b: int) -> int:",
+     "description": "The least common multiple of two positive integers.",
+     "tests": ["assert lcm(4, 6) == 12", "assert lcm(3, 5) == 15", "assert lcm(7, 7) == 7", "assert lcm(1, 9) == 9"],
+     "solution": "def lcm(a: int, b: int) -> int:\n    x, y = a, b\n    while y:\n        x, y = y, x % y\n"
+                 "    return a * b // x\n"},
+    {"entry_point": "factorial", "signature": "def factorial(n: int) -> int:",
+     "description": "n! for n >= 0.",
+     "tests": ["assert factorial(0) == 1", "assert factorial(1) == 1", "assert factorial(5) == 120",
+               "assert factorial(10) == 3628800"],
+     "solution": "def factorial(n: int) -> int:\n    out = 1\n    for k in range(2, n + 1):\n        out *= k\n"
+                 "    return out\n"},
+    {"entry_point": "fibonacci", "signature": "def fibonacci(n: int) -> int:",
+     "description": "The n-th Fibonacci number, with fibonacci(0) == 0 and fibonacci(1) == 1.",
+     "tests": ["assert fibonacci(0) == 0", "assert fibonacci(1) == 1", "assert fibonacci(2) == 1",
+               "assert fibonacci(10) == 55", "assert fibonacci(30) == 832040"],
+     "solution": "def fibonacci(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+                 "    return a\n"},
+    {"entry_point": "is_prime", "signature": "def is_prime(n: int) -> bool:",
+     "description": "True if n is a prime number.",
+     "tests": ["assert is_prime(2) is True", "assert is_prime(1) is False", "assert is_prime(0) is False",
+               "assert is_prime(97) is True", "assert is_prime(91) is False", "assert is_prime(-7) is False"],
+     "solution": "def is_prime(n: int) -> bool:\n    if n < 2:\n        return False\n    k = 2\n"
+                 "    while k * k <= n:\n        if n % k == 0:\n            return False\n        k += 1\n"
+                 "    return True\n"},
+    {"entry_point": "running_sum", "signature": "def running_sum(xs: list[int]) -> list[int]:",
+     "description": "The running totals of xs: [1, 2, 3] -> [1, 3, 6].",
+     "tests": ["assert running_sum([1, 2, 3]) == [1, 3, 6]", "assert running_sum([]) == []",
+               "assert running_sum([5]) == [5]", "assert running_sum([2, -2, 2]) == [2, 0, 2]"],
+     "solution": "def running_sum(xs: list[int]) -> list[int]:\n    out, total = [], 0\n    for x in xs:\n"
+                 "        total += x\n        out.append(total)\n    return out\n"},
+    {"entry_point": "flatten_once", "signature": "def flatten_once(xss: list[list]) -> list:",
+     "description": "Flatten one level of nesting: [[1, 2], [3]] -> [1, 2, 3].",
+     "tests": ["assert flatten_once([[1, 2], [3]]) == [1, 2, 3]", "assert flatten_once([]) == []",
+               "assert flatten_once([[], [1], []]) == [1]", "assert flatten_once([[1, [2]], [3]]) == [1, [2], 3]"],
+     "solution": "def flatten_once(xss: list[list]) -> list:\n    return [x for xs in xss for x in xs]\n"},
+    {"entry_point": "second_largest", "signature": "def second_largest(xs: list[int]) -> int | None:",
+     "description": "The second largest distinct value in xs, or None if there is none.",
+     "tests": ["assert second_largest([3, 1, 2]) == 2", "assert second_largest([5, 5, 4]) == 4",
+               "assert second_largest([7]) is None", "assert second_largest([2, 2]) is None",
+               "assert second_largest([-1, -5, -3]) == -3"],
+     "solution": "def second_largest(xs: list[int]) -> int | None:\n    values = sorted(set(xs))\n"
+                 "    return values[-2] if len(values) > 1 else None\n"},
+    {"entry_point": "digit_sum", "signature": "def digit_sum(n: int) -> int:",
+     "description": "The sum of the decimal digits of n (the sign is ignored).",
+     "tests": ["assert digit_sum(123) == 6", "assert digit_sum(0) == 0", "assert digit_sum(-45) == 9",
+               "assert digit_sum(9999) == 36"],
+     "solution": "def digit_sum(n: int) -> int:\n    return sum(int(d) for d in str(abs(n)))\n"},
+    {"entry_point": "count_words", "signature": "def count_words(s: str) -> int:",
+     "description": "The number of whitespace-separated words in s.",
+     "tests": ["assert count_words('hello world') == 2", "assert count_words('') == 0",
+               "assert count_words('  many   spaces here ') == 3", "assert count_words('one') == 1"],
+     "solution": "def count_words(s: str) -> int:\n    return len(s.split())\n"},
+    {"entry_point": "capitalize_words", "signature": "def capitalize_words(s: str) -> str:",
+     "description": "Upper-case the first letter of every space-separated word, keep the rest as is.",
+     "tests": ["assert capitalize_words('hello world') == 'Hello World'", "assert capitalize_words('') == ''",
+               "assert capitalize_words('a bC') == 'A BC'", "assert capitalize_words('x  y') == 'X  Y'"],
+     "solution": "def capitalize_words(s: str) -> str:\n"
+                 "    return ' '.join(w[:1].upper() + w[1:] for w in s.split(' '))\n"},
+    {"entry_point": "unique_in_order", "signature": "def unique_in_order(xs: list) -> list:",
+     "description": "xs without duplicates, keeping the first occurrence of each value in order.",
+     "tests": ["assert unique_in_order([1, 2, 1, 3, 2]) == [1, 2, 3]", "assert unique_in_order([]) == []",
+               "assert unique_in_order(['b', 'a', 'b']) == ['b', 'a']", "assert unique_in_order([4, 4, 4]) == [4]"],
+     "solution": "def unique_in_order(xs: list) -> list:\n    seen, out = set(), []\n    for x in xs:\n"
+                 "        if x not in seen:\n            seen.add(x)\n            out.append(x)\n    return out\n"},
+    {"entry_point": "chunk", "signature": "def chunk(xs: list, size: int) -> list[list]:",
+     "description": "Split xs into consecutive pieces of length size; the last may be shorter.",
+     "tests": ["assert chunk([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]", "assert chunk([], 3) == []",
+               "assert chunk([1, 2], 5) == [[1, 2]]", "assert chunk([1, 2, 3], 1) == [[1], [2], [3]]"],
+     "solution": "def chunk(xs: list, size: int) -> list[list]:\n"
+                 "    return [xs[i:i + size] for i in range(0, len(xs), size)]\n"},
+    {"entry_point": "mean", "signature": "def mean(xs: list[float]) -> float:",
+     "description": "The arithmetic mean of a non-empty list.",
+     "tests": ["assert mean([1, 2, 3]) == 2", "assert mean([5]) == 5", "assert abs(mean([1, 2]) - 1.5) < 1e-9",
+               "assert abs(mean([-1, 1, 3, 5]) - 2.0) < 1e-9"],
+     "solution": "def mean(xs: list[float]) -> float:\n    return sum(xs) / len(xs)\n"},
+    {"entry_point": "median", "signature": "def median(xs: list[float]) -> float:",
+     "description": "The median of a non-empty list (the mean of the two middle values for even lengths).",
+     "tests": ["assert median([3, 1, 2]) == 2", "assert median([4, 1, 3, 2]) == 2.5", "assert median([7]) == 7",
+               "assert median([5, 5, 1, 9]) == 5"],
+     "solution": "def median(xs: list[float]) -> float:\n    s = sorted(xs)\n    mid = len(s) // 2\n"
+                 "    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2\n"},
+    {"entry_point": "is_anagram", "signature": "def is_anagram(a: str, b: str) -> bool:",
+     "description": "True if a and b contain the same letters the same number of times, ignoring case and spaces.",
+     "tests": ["assert is_anagram('listen', 'silent') is True", "assert is_anagram('Dormitory', 'dirty room') is True",
+               "assert is_anagram('abc', 'abd') is False", "assert is_anagram('aab', 'ab') is False"],
+     "solution": "def is_anagram(a: str, b: str) -> bool:\n"
+                 "    norm = lambda s: sorted(s.replace(' ', '').lower())\n    return norm(a) == norm(b)\n"},
+    {"entry_point": "char_counts", "signature": "def char_counts(s: str) -> dict[str, int]:",
+     "description": "A dict mapping each character of s to how many times it occurs.",
+     "tests": ["assert char_counts('aab') == {'a': 2, 'b': 1}", "assert char_counts('') == {}",
+               "assert char_counts('xyz') == {'x': 1, 'y': 1, 'z': 1}", "assert char_counts('  ') == {' ': 2}"],
+     "solution": "def char_counts(s: str) -> dict[str, int]:\n    out = {}\n    for c in s:\n"
+                 "        out[c] = out.get(c, 0) + 1\n    return out\n"},
+    {"entry_point": "to_binary", "signature": "def to_binary(n: int) -> str:",
+     "description": "The binary digits of a non-negative integer, without a '0b' prefix.",
+     "tests": ["assert to_binary(0) == '0'", "assert to_binary(5) == '101'", "assert to_binary(8) == '1000'",
+               "assert to_binary(255) == '11111111'"],
+     "solution": "def to_binary(n: int) -> str:\n    return format(n, 'b')\n"},
+    {"entry_point": "celsius_to_fahrenheit", "signature": "def celsius_to_fahrenheit(c: float) -> float:",
+     "description": "Convert degrees Celsius to degrees Fahrenheit.",
+     "tests": ["assert celsius_to_fahrenheit(0) == 32", "assert celsius_to_fahrenheit(100) == 212",
+               "assert celsius_to_fahrenheit(-40) == -40", "assert abs(celsius_to_fahrenheit(37) - 98.6) < 1e-9"],
+     "solution": "def celsius_to_fahrenheit(c: float) -> float:\n    return c * 9 / 5 + 32\n"},
+    {"entry_point": "clamp", "signature": "def clamp(x: float, lo: float, hi: float) -> float:",
+     "description": "x limited to the range [lo, hi].",
+     "tests": ["assert clamp(5, 0, 10) == 5", "assert clamp(-3, 0, 10) == 0", "assert clamp(42, 0, 10) == 10",
+               "assert clamp(0, 0, 0) == 0"],
+     "solution": "def clamp(x: float, lo: float, hi: float) -> float:\n    return max(lo, min(x, hi))\n"},
+    {"entry_point": "rotate_left", "signature": "def rotate_left(xs: list, k: int) -> list:",
+     "description": "xs rotated left by k places (k may exceed the length); an empty list stays empty.",
+     "tests": ["assert rotate_left([1, 2, 3, 4], 1) == [2, 3, 4, 1]", "assert rotate_left([1, 2, 3], 3) == [1, 2, 3]",
+               "assert rotate_left([1, 2, 3], 5) == [3, 1, 2]", "assert rotate_left([], 2) == []"],
+     "solution": "def rotate_left(xs: list, k: int) -> list:\n    if not xs:\n        return []\n"
+                 "    k %= len(xs)\n    return xs[k:] + xs[:k]\n"},
+    {"entry_point": "count_occurrences", "signature": "def count_occurrences(xs: list, x) -> int:",
+     "description": "How many elements of xs are equal to x.",
+     "tests": ["assert count_occurrences([1, 2, 1, 1], 1) == 3", "assert count_occurrences([], 0) == 0",
+               "assert count_occurrences(['a', 'b'], 'c') == 0", "assert count_occurrences([None, None], None) == 2"],
+     "solution": "def count_occurrences(xs: list, x) -> int:\n    return sum(1 for y in xs if y == x)\n"},
+    {"entry_point": "merge_sorted", "signature": "def merge_sorted(a: list[int], b: list[int]) -> list[int]:",
+     "description": "Merge two sorted lists into one sorted list.",
+     "tests": ["assert merge_sorted([1, 3, 5], [2, 4]) == [1, 2, 3, 4, 5]", "assert merge_sorted([], [1]) == [1]",
+               "assert merge_sorted([], []) == []", "assert merge_sorted([1, 1], [1]) == [1, 1, 1]"],
+     "solution": "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    i = j = 0\n    out = []\n"
+                 "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i])\n"
+                 "            i += 1\n        else:\n            out.append(b[j])\n            j += 1\n"
+                 "    return out + a[i:] + b[j:]\n"},
+    {"entry_point": "reverse_integer", "signature": "def reverse_integer(n: int) -> int:",
+     "description": "The digits of n in reverse order, keeping the sign: -123 -> -321, 120 -> 21.",
+     "tests": ["assert reverse_integer(123) == 321", "assert reverse_integer(-123) == -321",
+               "assert reverse_integer(120) == 21", "assert reverse_integer(0) == 0"],
+     "solution": "def reverse_integer(n: int) -> int:\n    r = int(str(abs(n))[::-1])\n"
+                 "    return -r if n < 0 else r\n"},
+    {"entry_point": "is_leap_year", "signature": "def is_leap_year(year: int) -> bool:",
+     "description": "True for Gregorian leap years.",
+     "tests": ["assert is_leap_year(2024) is True", "assert is_leap_year(2023) is False",
+               "assert is_leap_year(1900) is False", "assert is_leap_year(2000) is True"],
+     "solution": "def is_leap_year(year: int) -> bool:\n"
+                 "    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)\n"},
+    {"entry_point": "caesar_shift", "signature": "def caesar_shift(s: str, k: int) -> str:",
+     "description": "Shift each ASCII letter of s k places along the alphabet (wrapping, keeping case); "
+                    "other characters stay.",
+     "tests": ["assert caesar_shift('abc', 1) == 'bcd'", "assert caesar_shift('xyz', 3) == 'abc'",
+               "assert caesar_shift('Hello, World!', 13) == 'Uryyb, Jbeyq!'",
+               "assert caesar_shift('abc', -1) == 'zab'"],
+     "solution": "def caesar_shift(s: str, k: int) -> str:\n    out = []\n    for c in s:\n"
+                 "        if 'a' <= c <= 'z':\n            out.append(chr((ord(c) - 97 + k) % 26 + 97))\n"
+                 "        elif 'A' <= c <= 'Z':\n            out.append(chr((ord(c) - 65 + k) % 26 + 65))\n"
+                 "        else:\n            out.append(c)\n    return ''.join(out)\n"},
+    {"entry_point": "has_pair_with_sum", "signature": "def has_pair_with_sum(xs: list[int], target: int) -> bool:",
+     "description": "True if two elements at different positions of xs add up to target.",
+     "tests": ["assert has_pair_with_sum([1, 4, 6], 10) is True", "assert has_pair_with_sum([5], 10) is False",
+               "assert has_pair_with_sum([5, 5], 10) is True", "assert has_pair_with_sum([1, 2, 3], 7) is False"],
+     "solution": "def has_pair_with_sum(xs: list[int], target: int) -> bool:\n    seen = set()\n"
+                 "    for x in xs:\n        if target - x in seen:\n            return True\n        seen.add(x)\n"
+                 "    return False\n"},
+    {"entry_point": "transpose", "signature": "def transpose(m: list[list]) -> list[list]:",
+     "description": "The transpose of a rectangular matrix given as a list of rows.",
+     "tests": ["assert transpose([[1, 2], [3, 4]]) == [[1, 3], [2, 4]]",
+               "assert transpose([[1, 2, 3]]) == [[1], [2], [3]]", "assert transpose([]) == []",
+               "assert transpose([[5]]) == [[5]]"],
+     "solution": "def transpose(m: list[list]) -> list[list]:\n    return [list(col) for col in zip(*m)]\n"},
+    {"entry_point": "longest_word", "signature": "def longest_word(s: str) -> str:",
+     "description": "The longest whitespace-separated word of s (the first one on ties; '' for no words).",
+     "tests": ["assert longest_word('a quick brown fox') == 'quick'", "assert longest_word('') == ''",
+               "assert longest_word('ab cd') == 'ab'", "assert longest_word('  hello ') == 'hello'"],
+     "solution": "def longest_word(s: str) -> str:\n    best = ''\n    for w in s.split():\n"
+                 "        if len(w) > len(best):\n            best = w\n    return best\n"},
+    {"entry_point": "run_length_encode", "signature": "def run_length_encode(s: str) -> str:",
+     "description": "Each run of a repeated character as the character and its count: 'aaabcc' -> 'a3b1c2'.",
+     "tests": ["assert run_length_encode('aaabcc') == 'a3b1c2'", "assert run_length_encode('') == ''",
+               "assert run_length_encode('x') == 'x1'", "assert run_length_encode('abab') == 'a1b1a1b1'"],
+     "solution": "def run_length_encode(s: str) -> str:\n    out, i = [], 0\n    while i < len(s):\n"
+                 "        j = i\n        while j < len(s) and s[j] == s[i]:\n            j += 1\n"
+                 "        out.append(f'{s[i]}{j - i}')\n        i = j\n    return ''.join(out)\n"},
+    {"entry_point": "balanced_brackets", "signature": "def balanced_brackets(s: str) -> bool:",
+     "description": "True if the brackets (), [] and {} in s are balanced and properly nested; "
+                    "other characters are ignored.",
+     "tests": ["assert balanced_brackets('([]{})') is True", "assert balanced_brackets('([)]') is False",
+               "assert balanced_brackets('') is True", "assert balanced_brackets('((') is False",
+               "assert balanced_brackets('a(b)c]') is False"],
+     "solution": "def balanced_brackets(s: str) -> bool:\n    pairs = {')': '(', ']': '[', '}': '{'}\n"
+                 "    stack = []\n    for c in s:\n        if c in '([{':\n            stack.append(c)\n"
+                 "        elif c in pairs:\n            if not stack or stack.pop() != pairs[c]:\n"
+                 "                return False\n    return not stack\n"},
+    {"entry_point": "count_evens", "signature": "def count_evens(xs: list[int]) -> int:",
+     "description": "How many even numbers xs holds.",
+     "tests": ["assert count_evens([1, 2, 3, 4]) == 2", "assert count_evens([]) == 0",
+               "assert count_evens([-2, 0, 7]) == 2", "assert count_evens([1, 3]) == 0"],
+     "solution": "def count_evens(xs: list[int]) -> int:\n    return sum(1 for x in xs if x % 2 == 0)\n"},
+    {"entry_point": "is_power_of_two", "signature": "def is_power_of_two(n: int) -> bool:",
+     "description": "True if n is a positive integer power of two (1, 2, 4, 8, ...).",
+     "tests": ["assert is_power_of_two(1) is True", "assert is_power_of_two(16) is True",
+               "assert is_power_of_two(0) is False", "assert is_power_of_two(12) is False",
+               "assert is_power_of_two(-8) is False"],
+     "solution": "def is_power_of_two(n: int) -> bool:\n    return n > 0 and n & (n - 1) == 0\n"},
+    {"entry_point": "to_roman", "signature": "def to_roman(n: int) -> str:",
+     "description": "The Roman numeral for 1 <= n <= 3999.",
+     "tests": ["assert to_roman(1) == 'I'", "assert to_roman(4) == 'IV'", "assert to_roman(9) == 'IX'",
+               "assert to_roman(1994) == 'MCMXCIV'", "assert to_roman(3999) == 'MMMCMXCIX'"],
+     "solution": "def to_roman(n: int) -> str:\n"
+                 "    table = [(1000, 'M'), (900, 'CM'), (500, 'D'), (400, 'CD'), (100, 'C'), (90, 'XC'),\n"
+                 "             (50, 'L'), (40, 'XL'), (10, 'X'), (9, 'IX'), (5, 'V'), (4, 'IV'), (1, 'I')]\n"
+                 "    out = ''\n    for value, letters in table:\n        while n >= value:\n"
+                 "            out += letters\n            n -= value\n    return out\n"},
+    {"entry_point": "collapse_spaces", "signature": "def collapse_spaces(s: str) -> str:",
+     "description": "s with every run of spaces replaced by one space and no leading or trailing spaces.",
+     "tests": ["assert collapse_spaces('a   b') == 'a b'", "assert collapse_spaces('  hi  there ') == 'hi there'",
+               "assert collapse_spaces('') == ''", "assert collapse_spaces('one') == 'one'"],
+     "solution": "def collapse_spaces(s: str) -> str:\n    return ' '.join(p for p in s.split(' ') if p)\n"},
+    {"entry_point": "triangle_number", "signature": "def triangle_number(n: int) -> int:",
+     "description": "The sum 1 + 2 + ... + n (0 for n = 0).",
+     "tests": ["assert triangle_number(0) == 0", "assert triangle_number(1) == 1", "assert triangle_number(4) == 10",
+               "assert triangle_number(100) == 5050"],
+     "solution": "def triangle_number(n: int) -> int:\n    return n * (n + 1) // 2\n"},
+    {"entry_point": "max_subarray_sum", "signature": "def max_subarray_sum(xs: list[int]) -> int:",
+     "description": "The largest sum of a non-empty contiguous slice of a non-empty list.",
+     "tests": ["assert max_subarray_sum([-2, 1, -3, 4, -1, 2, 1, -5, 4]) == 6",
+               "assert max_subarray_sum([1]) == 1", "assert max_subarray_sum([-3, -1, -2]) == -1",
+               "assert max_subarray_sum([2, 3]) == 5"],
+     "solution": "def max_subarray_sum(xs: list[int]) -> int:\n    best = current = xs[0]\n    for x in xs[1:]:\n"
+                 "        current = max(x, current + x)\n        best = max(best, current)\n    return best\n"},
+)
