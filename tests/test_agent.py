@@ -198,3 +198,25 @@ def test_agent_rewards_on_trip_outcome(tokenizer):
     assert steps_penalty(traj, per_call=0.1, free_calls=4) == pytest.approx(-0.1 * (len(turns) - 4))
     assert cost_penalty(traj) == pytest.approx(-(traj.info["cost"] / traj.info["optimal_cost"] - 1))
     assert tool_success(traj) == 1.0
+
+
+def test_trip_planner_demo_end_to_end_small(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from tamer.cli import app
+
+    out = tmp_path / "trip"
+    args = ["demo", "--env", "trip_planner", "-o", str(out),
+            "--set", "task.trip_planner.world.train_size=24", "--set", "task.trip_planner.world.heldout_size=4",
+            "--set", "model.tiny.hidden_size=32", "--set", "model.tiny.num_layers=1", "--set", "model.tiny.intermediate_size=64",
+            "--set", "sft.steps=3", "--set", "sft.batch_size=4", "--set", "rl.steps=1", "--set", "rl.prompts_per_step=2",
+            "--set", "rl.group_size=2", "--set", "rl.max_new_tokens=8",
+            "--set", "eval.size=4", "--set", "eval.max_new_tokens=8", "--set", "tracking.tensorboard=false"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    for who in ("demonstrator", "sft", "rl"):
+        assert set(summary[who]) == {"success_rate", "mean_tool_calls", "mean_cost_ratio", "error_rate"}
+    assert summary["demonstrator"]["success_rate"] == 1.0 and summary["demonstrator"]["mean_tool_calls"] >= 4

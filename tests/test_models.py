@@ -57,3 +57,19 @@ def test_load_model_rejects_non_model_dir(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(tmp_path)
+
+
+def test_bpe_tokenizer_shortens_and_reloads_identically(tmp_path):
+    from tamer.models import build_bpe_tokenizer
+
+    corpus = [f'<tool_call>{{"name":"search_flights","arguments":{{"origin":"LON","dest":"ROM{i}"}}}}</tool_call>'
+              for i in range(200)]
+    bpe = build_bpe_tokenizer(corpus, vocab_size=400)
+    char = build_char_tokenizer()
+    text = corpus[7] + "<|im_end|>"
+    ids = bpe(text, add_special_tokens=False)["input_ids"]
+    assert bpe.decode(ids) == text
+    assert len(ids) * 3 < len(char(text, add_special_tokens=False)["input_ids"])
+    model = build_tiny_model(bpe, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64))
+    save_model(model, bpe, tmp_path / "m")
+    assert AutoTokenizer.from_pretrained(tmp_path / "m")(text, add_special_tokens=False)["input_ids"] == ids

@@ -145,7 +145,7 @@ def trainable_parameters(trainer) -> int:
 def _phase_sft(config) -> dict[str, Any]:
     from tamer.pipeline import build_policy, run_sft
 
-    model, tokenizer = build_policy(config.model)
+    model, tokenizer = build_policy(config.model, config.task)
     loaded = current_rss_mb()
     result = run_sft(config, model, tokenizer)
     return {**result, "rss_after_load_mb": loaded, "models_held": 1,
@@ -160,7 +160,7 @@ def _phase_rl(config, reward_extra: dict, measure_steps: int) -> dict[str, Any]:
     from tamer.trainers.common import seed_everything
     from tamer.trainers.rl import RLTrainer
 
-    model, tokenizer = build_policy(config.model)
+    model, tokenizer = build_policy(config.model, config.task)
     train, heldout = get_task_source(config.task).split()
     seed_everything(config.rl.seed)
     loaded = current_rss_mb()

@@ -16,10 +16,10 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -102,6 +102,49 @@ def build_char_tokenizer(extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokeni
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+# The pre-tokenizer of Qwen2-family tokenizers: a BPE trained behind it reloads through
+# `AutoTokenizer` (as Qwen2Tokenizer) into exactly the same tokenizer.
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def build_bpe_tokenizer(corpus: Iterable[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+    """A byte-level BPE trained locally on `corpus`, with the same specials and template as
+    `build_char_tokenizer`.
+
+    For tasks whose text is long and regular (tool calls, JSON tool results) it shortens
+    sequences several times over the character tokenizer. Digits stay one token each.
+    """
+    backend = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    specials = list(SPECIAL_TOKENS) + list(MARKUP_TOKENS)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(_without(corpus, specials), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START]})
+    tokenizer.add_tokens(list(MARKUP_TOKENS))
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _without(corpus: Iterable[str], tokens: list[str]) -> Iterator[str]:
+    """Corpus texts with the single-token markers removed (they never take part in merges)."""
+    for text in corpus:
+        for token in tokens:
+            text = text.replace(token, " ")
+        yield text
 
 
 def build_tiny_model(tokenizer: PreTrainedTokenizerBase, config: TinyModelConfig) -> PreTrainedModel:

@@ -24,7 +24,7 @@ from tamer.checkpoint import latest_checkpoint
 from tamer.config import to_dict
 from tamer.evaluate import EvalConfig, EvalReport, agent_metrics, demonstrator_accuracy, evaluate
 from tamer.models import (
-    TinyModelConfig, build_char_tokenizer, build_tiny_model, count_parameters, load_model, save_model,
+    TinyModelConfig, build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, count_parameters, load_model, save_model,
     stop_token_ids,
 )
 from tamer.rewards import RewardComposer, RewardConfig
@@ -36,7 +36,7 @@ from tamer.tasks.base import Task, TaskSource
 from tamer.tracking import Tracker, plot_metrics
 from tamer.trainers.common import OptimConfig, seed_everything
 from tamer.trainers.rl import RLConfig, RLTrainer
-from tamer.trainers.sft import SFTConfig, SFTTrainer, demonstrations
+from tamer.trainers.sft import SFTConfig, SFTTrainer, demonstration_texts, demonstrations
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,10 +49,14 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     dtype: str = "float32"  # float32 | bfloat16 | float16
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    tokenizer: str = "char"  # tiny models: "char" (one token per byte) or "bpe" (trained on the task's text)
+    bpe_vocab_size: int = 1024
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"model.dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.tokenizer not in ("char", "bpe"):
+            raise ValueError(f"model.tokenizer: expected 'char' or 'bpe', got {self.tokenizer!r}")
 
 
 @dataclass(frozen=True)
@@ -93,10 +97,10 @@ DEMO_PRESETS: dict[str, list[str]] = {
     ],
     "trip_planner": [
         "task.name=trip_planner", "output_dir=runs/demo-trip_planner", "task.trip_planner.world.train_size=2000",
-        "agent.show_tools=false", "agent.max_turns=8", "agent.max_total_tokens=1400",
-        "model.tiny.max_position_embeddings=2048", "sft.steps=400", "sft.batch_size=16",
-        "rl.steps=30", "rl.prompts_per_step=8", "rl.group_size=8", "rl.max_new_tokens=96", "rl.eval_every=10",
-        "eval.size=300", "eval.max_new_tokens=96",
+        "model.tokenizer=bpe", "agent.show_tools=false", "agent.max_turns=8", "agent.max_total_tokens=512",
+        "sft.steps=400", "sft.batch_size=16",
+        "rl.steps=30", "rl.prompts_per_step=8", "rl.group_size=8", "rl.max_new_tokens=40", "rl.eval_every=10",
+        "eval.size=300", "eval.max_new_tokens=40",
         "reward.weights={correctness: 1.0, cost: 2.0, steps: 1.0}",
         "reward.params={steps: {per_call: 0.1, free_calls: 4}}",
     ],
@@ -111,12 +115,18 @@ def with_seed(config: RunConfig, seed: int) -> RunConfig:
 
 
 # ---------------------------------------------------------------------------- pieces
-def build_policy(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def build_policy(config: ModelConfig, task: TaskConfig | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The local model at `config.path`, or a tiny one (its BPE tokenizer trained on `task`'s text)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     if config.path:
         return load_model(config.path, dtype=DTYPES[config.dtype])
     tokenizer = build_char_tokenizer()
+    if config.tokenizer == "bpe":
+        if task is None:
+            raise ValueError("model.tokenizer=bpe needs the task whose text it is trained on")
+        source = get_task_source(task)
+        tokenizer = build_bpe_tokenizer(demonstration_texts(source, source.split()[0], tokenizer), config.bpe_vocab_size)
     return build_tiny_model(tokenizer, config.tiny).to(DTYPES[config.dtype]), tokenizer
 
 
@@ -143,7 +153,7 @@ def write_json(path: Path, data: dict[str, Any]) -> Path:
 def run_sft(config: RunConfig, model=None, tokenizer=None, source: TaskSource | None = None) -> dict[str, Any]:
     """SFT on the task's demonstrations; saves `output_dir/sft/model`."""
     if model is None:
-        model, tokenizer = build_policy(config.model)
+        model, tokenizer = build_policy(config.model, config.task)
     source = source or get_task_source(config.task)
     train, heldout = source.split()
     seed_everything(config.sft.seed)
@@ -165,7 +175,7 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = Fals
            reward_extra: dict | None = None) -> dict[str, Any]:
     """RL (GRPO family) from `model` or `config.model`; saves `output_dir/rl/model`."""
     if model is None:
-        model, tokenizer = build_policy(config.model)
+        model, tokenizer = build_policy(config.model, config.task)
     source = get_task_source(config.task)
     train, heldout = source.split()
     seed_everything(config.rl.seed)
@@ -191,7 +201,7 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = Fals
 
 def run_eval(config: RunConfig) -> dict[str, Any]:
     """Held-out evaluation of `config.model` on `config.task`."""
-    model, tokenizer = build_policy(config.model)
+    model, tokenizer = build_policy(config.model, config.task)
     source = get_task_source(config.task)
     _, heldout = source.split()
     report = evaluate_model(model, tokenizer, heldout, config.eval, config.agent)
@@ -212,7 +222,7 @@ def run_demo(config: RunConfig) -> dict[str, Any]:
     """Tiny model -> SFT on the demonstrator -> GRPO; held-out table and summary.json."""
     start = time.perf_counter()
     out = Path(config.output_dir)
-    model, tokenizer = build_policy(config.model)
+    model, tokenizer = build_policy(config.model, config.task)
     source = get_task_source(config.task)
     _, heldout = source.split()
     eval_tasks = heldout[: config.eval.size] if config.eval.size else heldout

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import random
 import textwrap
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from typing import Any
 from tamer.tasks.base import TASK_SOURCES, Task
 from tamer.tasks.code_check import DEFAULT_TIMEOUT_S, UnitTestReward
 from tamer.tasks.code_problems import PROBLEMS
-from tamer.tasks.dataset import DatasetError
+from tamer.tasks.dataset import DatasetError, iter_jsonl
 from tamer.tasks.env import ENVIRONMENTS
 from tamer.tasks.tool_env import ToolEnvironment
 from tamer.tools.python_tool import TOOL_SANDBOX, make_python_tool
@@ -96,19 +95,12 @@ def load_problems(path: str | Path) -> list[Problem]:
         raise DatasetError(f"{path}: no such file")
     problems: list[Problem] = []
     seen: set[str] = set()
-    with path.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DatasetError(f"{path}, row {number}: invalid JSON ({err.msg})") from None
-            problem = parse_problem(row, f"{path}, row {number}", f"{path.name}:{number}")
-            if problem.id in seen:
-                raise DatasetError(f"{path}, row {number}: duplicate id {problem.id!r}")
-            seen.add(problem.id)
-            problems.append(problem)
+    for number, row in iter_jsonl(path):
+        problem = parse_problem(row, f"{path}, row {number}", f"{path.name}:{number}")
+        if problem.id in seen:
+            raise DatasetError(f"{path}, row {number}: duplicate id {problem.id!r}")
+        seen.add(problem.id)
+        problems.append(problem)
     if not problems:
         raise DatasetError(f"{path}: no problems in the file")
     return problems

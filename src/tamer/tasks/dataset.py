@@ -9,9 +9,11 @@ row number, before any training starts.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 from tamer.tasks.base import TASK_SOURCES, Task, format_answer
 
@@ -58,22 +60,25 @@ def _load_rows(path: Path) -> list[dict]:
     return ds.to_list()
 
 
-def _check_json_lines(path: Path) -> None:
-    """Pinpoint a broken JSONL line before `datasets` reports it without a row number."""
-    import json
-
-    if path.suffix.lower() != ".jsonl":
-        return
-    with path.open() as fh:
+def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """(row number, parsed value) for each non-blank line; a broken line names file and row."""
+    with path.open(encoding="utf-8") as fh:
         for number, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield number, json.loads(line)
             except json.JSONDecodeError as err:
                 raise DatasetError(f"{path}, row {number}: invalid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise DatasetError(f"{path}, row {number}: expected a JSON object, got {type(row).__name__}")
+
+
+def _check_json_lines(path: Path) -> None:
+    """Pinpoint a broken JSONL line before `datasets` reports it without a row number."""
+    if path.suffix.lower() != ".jsonl":
+        return
+    for number, row in iter_jsonl(path):
+        if not isinstance(row, dict):
+            raise DatasetError(f"{path}, row {number}: expected a JSON object, got {type(row).__name__}")
 
 
 @TASK_SOURCES.register("dataset")

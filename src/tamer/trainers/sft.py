@@ -69,6 +69,13 @@ def demonstrations(
     return examples
 
 
+def demonstration_texts(source: TaskSource, tasks: list[Task], tokenizer: PreTrainedTokenizerBase,
+                        limit: int = 2000, seed: int = 0) -> list[str]:
+    """Full demonstration conversations as text (a corpus to train a tokenizer on)."""
+    return [tokenizer.decode(e.prompt_ids + e.completion_ids)
+            for e in demonstrations(source, tasks[:limit], tokenizer, seed=seed, agent=AgentConfig(show_tools=False))]
+
+
 def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded input_ids, attention_mask and loss_mask (1 on learned completion tokens)."""
     ids = [e.prompt_ids + e.completion_ids for e in examples]
