@@ -37,19 +37,21 @@ import typer
 from tamer.cli import ConfigOpt, OutOpt, SeedOpt, SetOpt, _guard, console
 from tamer.config import ConfigError, from_dict, merge, parse_overrides, to_dict
 
-# A model big enough that weights, gradients and Adam state (16 bytes per parameter in fp32)
-# outweigh the ~330 MB that Python + torch + transformers take before any model exists;
-# with the 1M-parameter demo model every method's memory is mostly that baseline.
+# A model big enough that weights, gradients and Adam state (~23 bytes per parameter at
+# GRPO's peak, measured) outweigh the ~335 MB that Python + torch + transformers take
+# before any model exists: with the 1M-parameter demo model every method's memory is
+# mostly that baseline. 768 x 4 layers is 35.6M parameters. A small micro-batch keeps
+# activations (the same for both methods) from hiding the difference.
 COMPARE_DEFAULTS = (
     "output_dir=runs/compare",
-    "model.tiny.hidden_size=512", "model.tiny.num_layers=4", "model.tiny.num_heads=8",
-    "model.tiny.num_kv_heads=4", "model.tiny.intermediate_size=2048",
+    "model.tiny.hidden_size=768", "model.tiny.num_layers=4", "model.tiny.num_heads=8",
+    "model.tiny.num_kv_heads=4", "model.tiny.intermediate_size=3072",
     "task.arithmetic.heldout_size=200", "eval.size=200",
-    "sft.steps=150", "sft.batch_size=32", "sft.optim.lr=5e-4", "sft.optim.warmup_steps=15",
+    "sft.steps=120", "sft.batch_size=32", "sft.optim.lr=5e-4", "sft.optim.warmup_steps=10",
     "sft.optim.schedule=cosine",
-    "rl.steps=16", "rl.prompts_per_step=8", "rl.group_size=8", "rl.max_new_tokens=32",
-    "rl.optim.lr=2e-5", "rl.micro_batch_tokens=2048", "rl.eval_every=4",
-    "tracking.tensorboard=false", "tracking.console_every=4",
+    "rl.steps=10", "rl.prompts_per_step=4", "rl.group_size=8", "rl.max_new_tokens=32",
+    "rl.optim.lr=5e-5", "rl.micro_batch_tokens=512", "rl.eval_every=5",
+    "tracking.tensorboard=false", "tracking.console_every=5",
 )
 METHODS = {"grpo": "grpo", "ppo": "gae"}  # method -> rl.algorithm.advantage
 LABELS = {"sft": "SFT", "grpo": "GRPO", "ppo": "PPO"}
@@ -152,6 +154,18 @@ def _phase_sft(config) -> dict[str, Any]:
             "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
 
+def _phase_eval(config) -> dict[str, Any]:
+    """Held-out evaluation of `config.model` (an SFT model given with --sft-model)."""
+    from tamer.pipeline import build_policy, evaluate_model
+    from tamer.tasks import get_task_source
+
+    model, tokenizer = build_policy(config.model)
+    loaded = current_rss_mb()
+    report = evaluate_model(model, tokenizer, get_task_source(config.task).split()[1], config.eval)
+    return {"sft_accuracy": report.accuracy, "model_path": config.model.path, "rss_after_load_mb": loaded,
+            "models_held": 1, "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+
+
 def _phase_rl(config, reward_extra: dict, measure_steps: int) -> dict[str, Any]:
     """Train (or, with `measure_steps`, only time) the RL method that `config` names."""
     from tamer.pipeline import build_policy, tracker_for
@@ -199,6 +213,8 @@ def _child_main(spec_path: str) -> None:
     start = time.perf_counter()
     if spec["phase"] == "sft":
         result = _phase_sft(config)
+    elif spec["phase"] == "eval":
+        result = _phase_eval(config)
     elif spec["phase"] == "rl":
         extra = {name: import_function(path) for name, path in spec["reward_fns"].items()}
         result = _phase_rl(config, extra, spec["measure_steps"])
@@ -258,18 +274,28 @@ def _row(method: str, result: dict[str, Any], accuracy: float | None) -> dict[st
     return row
 
 
-def run_compare(config, *, quiet: bool = False) -> dict[str, Any]:
-    """SFT, then GRPO and PPO from the SFT model; writes summary.json and compare.png."""
+def run_compare(config, *, sft_model: str | None = None, quiet: bool = False) -> dict[str, Any]:
+    """SFT, then GRPO and PPO from the SFT model; writes summary.json and compare.png.
+
+    With `sft_model` (a saved SFT model directory) SFT is skipped and the SFT row is that
+    model's held-out evaluation (its seconds and memory are the evaluation's).
+    """
     out = Path(config.output_dir)
     start = time.perf_counter()
-    sft = run_in_child("sft", config, quiet=quiet)
+    if sft_model:
+        given = dataclasses.replace(config, model=dataclasses.replace(config.model, path=sft_model))
+        sft = run_in_child("eval", given, quiet=quiet)
+    else:
+        sft = run_in_child("sft", config, quiet=quiet)
     rows = {"sft": _row("sft", sft, sft["sft_accuracy"])}
+    if sft_model:
+        rows["sft"]["method"] = "SFT (given; eval only)"
     for method in METHODS:
         result = run_in_child("rl", method_config(config, method, sft["model_path"]), quiet=quiet)
         rows[method] = _row(method, result, result["final"].get("eval/accuracy"))
     rl = config.rl
     summary = {
-        "task": config.task.name, "sft_model": sft["model_path"], "rows": rows,
+        "task": config.task.name, "sft_model": sft["model_path"], "sft_ran": not sft_model, "rows": rows,
         "budget": {"rl_steps": rl.steps, "prompts_per_step": rl.prompts_per_step, "group_size": rl.group_size,
                    "samples": rl.steps * rl.prompts_per_step * rl.group_size, "max_new_tokens": rl.max_new_tokens,
                    "eval_tasks": config.eval.size, "critic_shared": rl.critic.shared, "kl_coef": rl.algorithm.kl_coef},
@@ -341,6 +367,7 @@ def _or_exit(job):
 
 def compare_command(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
                     seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt,
+                    sft_model: Optional[str] = typer.Option(None, "--sft-model", help="Start both RL methods from this saved SFT model instead of running SFT (e.g. OUTPUT_DIR/sft/model of an earlier compare)."),
                     as_json: bool = typer.Option(False, "--json", help="Print summary.json instead of a table."),
                     quiet: bool = typer.Option(False, "--quiet", "-q", help="Hide the phases' own progress lines.")) -> None:
     """SFT, then PPO and GRPO from the same SFT model with the same budget; compare them.
@@ -351,7 +378,10 @@ def compare_command(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]
     Defaults differ from `tamer demo`: a ~16M-parameter model (see `tamer.compare.COMPARE_DEFAULTS`).
     """
     cfg = _guard(lambda: compare_config(config, set_, seed, output_dir))
-    summary = _guard(lambda: _or_exit(lambda: run_compare(cfg, quiet=quiet or as_json)))
+    if sft_model and not (Path(sft_model) / "config.json").is_file():
+        console.print(f"[bold red]error:[/] --sft-model {sft_model}: not a saved model directory (no config.json)")
+        raise typer.Exit(2)
+    summary = _guard(lambda: _or_exit(lambda: run_compare(cfg, sft_model=sft_model, quiet=quiet or as_json)))
     if as_json:
         print(json.dumps(summary, default=str))
         return

@@ -172,7 +172,7 @@ def run_sft(config: RunConfig, model=None, tokenizer=None, source: TaskSource | 
 
 
 def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = False,
-           reward_extra: dict | None = None) -> dict[str, Any]:
+           reward_extra: dict | None = None, initial_eval: dict[str, float] | None = None) -> dict[str, Any]:
     """RL (GRPO family) from `model` or `config.model`; saves `output_dir/rl/model`."""
     if model is None:
         model, tokenizer = build_policy(config.model, config.task)
@@ -188,7 +188,7 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = Fals
         if checkpoint is not None:
             tracker.truncate_after(trainer.resume(checkpoint))
             tracker.print(f"resumed from {checkpoint} at step {trainer.step}")
-        final = trainer.train()
+        final = trainer.train(initial_eval)
     plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png",
                         title=f"{config.rl.algorithm.advantage} on {config.task.name}")
     save_model(model, tokenizer, run_dir / "model")
@@ -206,6 +206,11 @@ def run_eval(config: RunConfig) -> dict[str, Any]:
     _, heldout = source.split()
     report = evaluate_model(model, tokenizer, heldout, config.eval, config.agent)
     return {"accuracy": report.accuracy, "num_tasks": report.num_tasks, **report.metrics()}
+
+
+def _as_eval(sft_result: dict[str, Any]) -> dict[str, float]:
+    """The SFT model's held-out metrics under the RL trainer's names (its step-0 point)."""
+    return {k.replace("sft_eval/", "eval/"): v for k, v in sft_result.items() if k.startswith("sft_eval/")}
 
 
 AGENT_KEYS = ("success_rate", "mean_tool_calls", "mean_cost_ratio", "error_rate")
@@ -230,7 +235,7 @@ def run_demo(config: RunConfig) -> dict[str, Any]:
         return _agent_demo(config, model, tokenizer, source, eval_tasks, start)
     demo_acc = demonstrator_accuracy(source, eval_tasks, seed=config.sft.seed)
     sft = run_sft(config, model, tokenizer, source)
-    rl = run_rl(config, model, tokenizer)
+    rl = run_rl(config, model, tokenizer, initial_eval=_as_eval(sft))
     summary = {
         "task": config.task.name, "heldout_size": len(eval_tasks),
         "demonstrator_accuracy": demo_acc, "sft_accuracy": sft["sft_accuracy"], "rl_accuracy": rl["rl_accuracy"],
@@ -250,7 +255,7 @@ def _agent_demo(config: RunConfig, model, tokenizer, source: TaskSource, eval_ta
     out = Path(config.output_dir)
     demo = demonstrator_agent_metrics(source, eval_tasks, tokenizer, config.agent, config.sft.seed)
     sft = run_sft(config, model, tokenizer, source)
-    rl = run_rl(config, model, tokenizer)
+    rl = run_rl(config, model, tokenizer, initial_eval=_as_eval(sft))
     pick = lambda metrics, prefix: {k: metrics.get(f"{prefix}/{k}") for k in AGENT_KEYS}  # noqa: E731
     summary = {
         "task": config.task.name, "heldout_size": len(eval_tasks),

@@ -170,10 +170,11 @@ class RLTrainer:
         return ref
 
     # ---------------------------------------------------------------- the loop
-    def train(self) -> dict[str, float]:
+    def train(self, initial_eval: dict[str, float] | None = None) -> dict[str, float]:
+        """Run to `config.steps`; `initial_eval` (the start model's eval, if already known) saves one eval."""
         cfg = self.config
-        if self.step == 0 and cfg.eval_every:
-            self._log(self.evaluate(), 0)  # the starting point of the accuracy curve
+        if self.step == 0 and cfg.eval_every:  # the starting point of the accuracy curve
+            self._log(initial_eval or self.evaluate(), 0)
         while self.step < cfg.steps:
             step = self.step + 1
             t0 = time.perf_counter()
