@@ -91,7 +91,9 @@ def _build_mounts(plan: MountPlan, applied: list[str], warnings: list[str]) -> N
     private = _cover(plan.private_tmp, f"mode=1777,size={plan.tmpfs_mb}m")
     applied += ["private-tmp"] if private else []
     for path in plan.expose_ro:
-        if any(_is_under(path, c) for c in covered):
+        # An interpreter (or venv) under a hidden or private directory (a checkout in /tmp, say)
+        # is bound back on top of the fresh tmpfs.
+        if any(_is_under(path, c) for c in covered + private):
             os.makedirs(path, exist_ok=True)
             linux.mount(f"/proc/self/fd/{held[path]}", path, None, MS_BIND | MS_REC)
             _remount_ro(path, warnings)
