@@ -156,13 +156,17 @@ def config_show(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = 
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
-def _mount_sandbox() -> None:
+def _mount_subcommands() -> None:
+    from tamer.advise import advise_command
+    from tamer.compare import compare_command
     from tamer.tools.sandbox_cli import sandbox_app
 
+    app.command("compare")(compare_command)
+    app.command("advise")(advise_command)
     app.add_typer(sandbox_app, name="sandbox")
 
 
-_mount_sandbox()
+_mount_subcommands()
 
 
 def main() -> None:
