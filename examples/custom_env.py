@@ -55,7 +55,7 @@ if __name__ == "__main__":
     from tamer.pipeline import RunConfig, run_demo
 
     config = load_config(RunConfig, overrides=[
-        "task.name=stock", "output_dir=runs/stock", "agent.show_tools=false", "sft.steps=60",
+        "task.name=stock", "output_dir=runs/stock", "agent.show_tools=false", "sft.steps=200",
         "rl.steps=4", "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=48", "rl.eval_every=2",
         "eval.size=0", "eval.max_new_tokens=48", "model.tiny.hidden_size=64", "model.tiny.num_layers=2",
         "model.tiny.intermediate_size=128",

@@ -49,8 +49,7 @@ from typing import Any, Optional
 
 import typer
 
-from tamer.cli import ConfigOpt, SeedOpt, SetOpt, _config, _guard, console
-from tamer.compare import METHODS, PhaseError, import_function, run_in_child
+from tamer.compare import ConfigOpt, METHODS, PhaseError, SeedOpt, SetOpt, import_function, run_in_child
 from tamer.config import ConfigError
 
 PASS1_ENOUGH = 0.9  # pass@1 at or above: RL not needed
@@ -449,6 +448,8 @@ def advise_command(
     recommends: RL not needed, SFT first, fix the reward, get more data, GRPO or PPO.
     """
     import json
+
+    from tamer.cli import _config, _guard, console
 
     cfg = _guard(lambda: _config(config, set_, seed, None, [f"model.path={model}"] if model else None))
     fns = _guard(lambda: _parse_reward_fns(reward_fn))

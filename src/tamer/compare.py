@@ -34,8 +34,14 @@ from typing import Any, Optional
 
 import typer
 
-from tamer.cli import ConfigOpt, OutOpt, SeedOpt, SetOpt, _guard, console
 from tamer.config import ConfigError, from_dict, merge, parse_overrides, to_dict
+
+# The options `tamer.cli` also uses. tamer.cli imports this module to register its command,
+# so nothing from tamer.cli is imported here at module level (it would be circular).
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML file with RunConfig sections (model, task, reward, sft, rl, eval, tracking).")
+SetOpt = typer.Option(None, "--set", "-s", help="Override one field, e.g. --set rl.steps=50 --set rl.optim.lr=1e-5 (repeatable).")
+SeedOpt = typer.Option(None, "--seed", help="Seed for model init, data order and sampling (sets model.tiny.seed, sft.seed, rl.seed).")
+OutOpt = typer.Option(None, "--output-dir", "-o", help="Where metrics, models, summary.json and the plot go.")
 
 # A model big enough that weights, gradients and Adam state (~23 bytes per parameter at
 # GRPO's peak, measured) outweigh the ~335 MB that Python + torch + transformers take
@@ -340,6 +346,8 @@ def plot_compare(rows: dict[str, dict], out_png: Path, title: str) -> Path:
 def print_table(summary: dict[str, Any]) -> None:
     from rich.table import Table
 
+    from tamer.cli import console
+
     budget = summary["budget"]
     table = Table(title=f"{summary['task']}: SFT, then {budget['rl_steps']} RL steps x {budget['prompts_per_step']} "
                         f"prompts x {budget['group_size']} samples each")
@@ -358,6 +366,8 @@ def print_table(summary: dict[str, Any]) -> None:
 
 def _or_exit(job):
     """A failed phase (child process) as a red error line and exit status 1."""
+    from tamer.cli import console
+
     try:
         return job()
     except PhaseError as err:
@@ -377,6 +387,8 @@ def compare_command(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]
     Writes OUTPUT_DIR/summary.json and OUTPUT_DIR/compare.png (default OUTPUT_DIR: runs/compare).
     Defaults differ from `tamer demo`: a ~16M-parameter model (see `tamer.compare.COMPARE_DEFAULTS`).
     """
+    from tamer.cli import _guard, console
+
     cfg = _guard(lambda: compare_config(config, set_, seed, output_dir))
     if sft_model and not (Path(sft_model) / "config.json").is_file():
         console.print(f"[bold red]error:[/] --sft-model {sft_model}: not a saved model directory (no config.json)")
