@@ -14,10 +14,10 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from tamer.pipeline import build_policy
 from tamer.compare import (
     COMPARE_DEFAULTS, METHODS, _phase_rl, compare_command, compare_config, current_rss_mb, method_config, peak_rss_mb,
 )
+from tamer.pipeline import build_policy
 
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2",
         "model.tiny.intermediate_size=64", "model.threads=1", "task.arithmetic.heldout_size=8", "eval.size=8",
@@ -69,7 +69,7 @@ def test_rl_phase_counts_models_and_trainable_parameters(tmp_path, method, model
     cfg = compare_config(None, TINY, output_dir=str(tmp_path))
     cfg = method_config(cfg, method, "")  # "" builds model.tiny: no SFT needed for the counts
     result = _phase_rl(cfg, {}, measure_steps=1)
-    policy = sum(p.numel() for p in build_policy(cfg.model)[0].parameters())
+    policy = sum(p.numel() for p in build_policy(cfg.model, cfg.task)[0].parameters())
     assert result["models_held"] == models and len(result["step_seconds"]) == 1
     value_head = cfg.model.tiny.hidden_size + 1 if method == "ppo" else 0
     assert result["trainable_parameters"] == copies * policy + value_head  # PPO: a critic as large as the policy
