@@ -278,3 +278,25 @@ def test_config_validation_names_the_field():
         ToolEnvConfig(max_tool_calls_per_turn=0)
     with pytest.raises(ValueError, match="env.tool_timeout_s"):
         ToolEnvConfig(tool_timeout_s=0)
+
+
+def test_bound_method_schemas_are_parsed_once_and_not_shared_mutably():
+    class Shop:
+        def __init__(self, stock: int) -> None:
+            self.stock = stock
+
+        def buy(self, item: str, count: int) -> str:
+            """Buy items.
+
+            Args:
+                item: What to buy.
+                count: How many.
+            """
+            return f"{count} {item} of {self.stock}"
+
+    first, second = Tool.from_function(Shop(1).buy), Tool.from_function(Shop(2).buy, name="purchase")
+    assert first.schema["function"]["name"] == "buy" and second.schema["function"]["name"] == "purchase"
+    assert first.parameters == second.parameters and "self" not in first.parameters["properties"]
+    first.schema["function"]["description"] = "changed"  # one tool's copy, not the cache
+    assert Tool.from_function(Shop(3).buy).schema["function"]["description"] == "Buy items."
+    assert second.function(item="pen", count=2) == "2 pen of 2"

@@ -25,6 +25,7 @@ read its per-task state.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -85,18 +86,7 @@ class Tool:
     @classmethod
     def from_function(cls, fn: Callable[..., Any], name: str | None = None) -> Tool:
         """Build a tool from a typed function with a Google-style docstring."""
-        fn_name = getattr(fn, "__name__", repr(fn))
-        try:
-            schema = get_json_schema(fn)
-        except Exception as exc:  # transformers raises plain Exception subclasses
-            raise ToolSchemaError(
-                f"cannot make a tool of {fn_name!r}: {exc}. A tool needs a type hint on every "
-                "argument and a Google-style docstring with a description and an 'Args:' entry per argument"
-            ) from exc
-        schema = copy.deepcopy(schema)
-        # Most chat templates ignore the return type; leaving it out keeps prompts short,
-        # which matters for the character-level tiny models.
-        schema["function"].pop("return", None)
+        schema = copy.deepcopy(_function_schema(fn))
         if name is not None:
             schema["function"]["name"] = name
         return cls(name=schema["function"]["name"], function=fn, schema=schema)
@@ -105,6 +95,38 @@ class Tool:
     def parameters(self) -> dict:
         """The JSON schema of the arguments: {"type": "object", "properties", "required"}."""
         return self.schema["function"].get("parameters", {"type": "object", "properties": {}})
+
+
+def _function_schema(fn: Callable[..., Any]) -> dict:
+    """The schema of `fn`, parsed once per underlying function (bound methods share it).
+
+    Environments build their tools per episode from bound methods; parsing the docstring
+    every time cost more than running the episode's tools.
+    """
+    key = getattr(fn, "__func__", fn)
+    try:
+        cached = _SCHEMA_CACHE.get(key)
+    except TypeError:  # an unhashable callable: no caching
+        key, cached = None, None
+    if cached is not None:
+        return cached
+    try:
+        schema = get_json_schema(fn)
+    except Exception as exc:  # transformers raises plain Exception subclasses
+        raise ToolSchemaError(
+            f"cannot make a tool of {getattr(fn, '__name__', repr(fn))!r}: {exc}. A tool needs a type hint on "
+            "every argument and a Google-style docstring with a description and an 'Args:' entry per argument"
+        ) from exc
+    # Most chat templates ignore the return type; leaving it out keeps prompts short,
+    # which matters for the character-level tiny models.
+    schema = {**schema, "function": {k: v for k, v in schema["function"].items() if k != "return"}}
+    if key is not None:
+        _SCHEMA_CACHE[key] = schema
+    return schema
+
+
+# Parsed schemas by function object; weak keys, so a cached function can still be collected.
+_SCHEMA_CACHE: "weakref.WeakKeyDictionary[Callable[..., Any], dict]" = weakref.WeakKeyDictionary()
 
 
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
