@@ -1,5 +1,6 @@
 """Agent tier: multi-turn rollouts, token identity, tool-output masks, error paths, agent rewards."""
 
+import dataclasses
 import random
 import time
 
@@ -220,3 +221,47 @@ def test_trip_planner_demo_end_to_end_small(tmp_path):
     for who in ("demonstrator", "sft", "rl"):
         assert set(summary[who]) == {"success_rate", "mean_tool_calls", "mean_cost_ratio", "error_rate"}
     assert summary["demonstrator"]["success_rate"] == 1.0 and summary["demonstrator"]["mean_tool_calls"] >= 4
+
+
+class _Chatty:
+    """An environment that answers every turn and never ends the episode itself."""
+
+    def reset(self, task):
+        self.turn = 0
+        return ""
+
+    def step(self, action):
+        self.turn += 1
+        return StepResult(f"reply {self.turn}: {action[:5]}", done=False, info={})
+
+
+class _NoReuse:
+    """The plain path: the same engine with prefix reuse switched off."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def sync_weights(self, model):
+        self.engine.sync_weights(model)
+
+    def generate(self, prompts, params):
+        return self.engine.generate(prompts, dataclasses.replace(params, reuse_prefix=False))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_prefix_reuse_across_turns_matches_full_prefill(tokenizer, tiny_model, temperature):
+    """Later turns prefill only their new tokens; tokens and logprobs equal the full-prefill path."""
+    tasks = [Task(id=f"t{i}", messages=({"role": "user", "content": "hi " * (i + 1)},), answer="", env="chatty")
+             for i in range(3)]
+    config = AgentConfig(max_turns=4, max_total_tokens=400, show_tools=False)
+    params = SamplingParams(n=2, temperature=temperature, max_new_tokens=9, seed=5)
+    engine = HFEngine(tiny_model, tokenizer.pad_token_id, max_batch=4)  # several chunks per turn
+    reused = AgentRollout(engine, tokenizer, config, env_factory=lambda task: _Chatty()).run(tasks, params)
+    plain = AgentRollout(_NoReuse(HFEngine(tiny_model, tokenizer.pad_token_id, max_batch=4)), tokenizer, config,
+                         env_factory=lambda task: _Chatty()).run(tasks, params)
+    assert engine.prefix_store.hits == 3 * 6  # turns 2-4 of all 6 episodes came from the store
+    for a, b in zip(reused, plain):
+        assert len(a.turns) == 4 and a.completion_ids == b.completion_ids and a.loss_mask == b.loss_mask
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    engine.sync_weights(tiny_model)  # new weights: nothing stale survives
+    assert len(engine.prefix_store) == 0

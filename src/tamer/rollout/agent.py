@@ -8,7 +8,8 @@ Token-in, token-out: each turn's sampled tokens are appended exactly as sampled
 through the tokenizer's chat template as a tool message and appended as tokens with
 `loss_mask = 0`. Nothing is ever re-tokenized, so the learner trains on exactly the
 tokens that were sampled. Generation is batched across every live trajectory of every
-task at each turn; the first turn samples all `n` attempts from one shared prompt prefix.
+task at each turn; the first turn samples all `n` attempts from one shared prompt prefix, and
+later turns prefill only what is new since the last turn (`SamplingParams.reuse_prefix`).
 
 A single-turn task is the same loop with an environment that ends after one turn.
 """
@@ -131,7 +132,8 @@ class AgentRollout:
 
     def _play_turn(self, live: list[_Episode], params: SamplingParams, turn: int) -> None:
         budget = max(1, min(params.max_new_tokens, min(self.config.max_total_tokens - len(e.completion_ids) for e in live)))
-        turn_params = dataclasses.replace(params, n=1, max_new_tokens=budget, seed=params.seed + 7919 * turn)
+        turn_params = dataclasses.replace(params, n=1, max_new_tokens=budget, seed=params.seed + 7919 * turn,
+                                          reuse_prefix=True)  # the next turn extends this one
         if turn == 0:  # all attempts share the prompt: sample n per distinct task from one prefix
             heads = live[:: params.n]
             outputs = [o for group in self.engine.generate([e.prompt_ids for e in heads],

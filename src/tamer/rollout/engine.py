@@ -5,19 +5,26 @@
 
 * prefill a shared prompt once and reuse its KV cache for all `n` samples of a group,
 * return the sampling logprobs (at the sampling temperature) alongside every token,
-* stop each sequence at its own stop tokens and stop decoding once every one is done.
+* stop each sequence at its own stop tokens and stop decoding once every one is done,
+* decode without per-step copies: the KV cache and the attention mask are allocated once
+  for the whole completion and written in place (transformers' `DynamicCache` concatenates,
+  copying the whole cache at every step: a third of decode time at 20M parameters),
+* run under bf16 autocast (`precision="bf16"`) with the fp32 weights left as they are.
 
 A vLLM engine on GPU plugs in behind the same `generate` call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
+from tamer.rollout.prefix_cache import PrefixEntry, PrefixStore
 from tamer.rollout.types import GenerationOutput, SamplingParams
 
 
@@ -27,6 +34,53 @@ class GenerationEngine(Protocol):
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         """Make the engine sample from the learner's current weights."""
+
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def autocast(precision: str, device: torch.device | str = "cpu") -> contextlib.AbstractContextManager:
+    """The context a forward pass runs in: nothing for fp32, bf16 autocast (fp32 weights) for bf16.
+
+    This is mixed precision as `accelerate`/TRL's `bf16=True` does it: matmuls in bf16, weights,
+    optimizer state and reductions in fp32. Callers take logprobs from `logits.float()`.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
+class _InPlaceLayer(DynamicLayer):
+    """One layer's KV cache with room for `capacity` positions, grown by writing in place.
+
+    `keys`/`values` are views of the filled part, so attention never reads unused slots.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        super().__init__()
+        b, h, length, _ = keys.shape
+        self._keys = keys.new_empty(b, h, capacity, keys.shape[-1])
+        self._values = values.new_empty(b, h, capacity, values.shape[-1])
+        self._keys[:, :, :length] = keys
+        self._values[:, :, :length] = values
+        self.device, self.is_initialized, self.length = keys.device, True, length
+        self.keys, self.values = self._keys[:, :, :length], self._values[:, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        self._keys[:, :, self.length:end] = key_states
+        self._values[:, :, self.length:end] = value_states
+        self.length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
+
+
+def preallocate(cache: DynamicCache, extra: int) -> DynamicCache:
+    """Give every layer of a prefilled `cache` room for `extra` more positions (in place)."""
+    cache.layers = [_InPlaceLayer(layer.keys, layer.values, layer.keys.shape[-2] + extra) for layer in cache.layers]
+    return cache
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,66 +131,91 @@ def cache_keyword(model: PreTrainedModel) -> str:
 class HFEngine:
     """Batched sampling with a KV cache on a `transformers` model (CPU or GPU)."""
 
-    def __init__(self, model: PreTrainedModel, pad_token_id: int, *, max_batch: int = 256) -> None:
+    def __init__(self, model: PreTrainedModel, pad_token_id: int, *, max_batch: int = 256,
+                 precision: str = "fp32") -> None:
+        autocast(precision)  # validates the name
         self.model = model
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
+        self.precision = precision
         self._cache_kw = cache_keyword(model)
+        self.prefix_store = PrefixStore()  # KV of the last call's sequences (params.reuse_prefix)
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         self.model = model  # same process: the learner's module is the sampler's
+        self.prefix_store.clear()  # cached keys and values belong to the old weights
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[GenerationOutput]]:
         generator = torch.Generator().manual_seed(params.seed)
         per_chunk = max(1, self.max_batch // params.n)
         outputs: list[list[GenerationOutput]] = []
+        entries: list[PrefixEntry] | None = [] if params.reuse_prefix else None
         for start in range(0, len(prompts), per_chunk):
-            outputs.extend(self._generate_chunk(prompts[start:start + per_chunk], params, generator))
+            outputs.extend(self._generate_chunk(prompts[start:start + per_chunk], params, generator, entries))
+        self.prefix_store.replace(entries or [])
         return outputs
 
     @torch.inference_mode()
     def _generate_chunk(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
+        entries: list[PrefixEntry] | None = None,
     ) -> list[list[GenerationOutput]]:
         was_training = self.model.training
         self.model.eval()
         device = next(self.model.parameters()).device
-        ids, mask = _left_pad(prompts, self.pad_token_id)
-        ids, mask = ids.to(device), mask.to(device)
-        # Prefill each distinct prompt once, then copy its cache for the n samples.
-        cache = DynamicCache()
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-        logits = out.logits[:, -1, :]
-        if params.n > 1:
-            cache.batch_repeat_interleave(params.n)
-            logits = logits.repeat_interleave(params.n, dim=0)
-            mask = mask.repeat_interleave(params.n, dim=0)
-            positions = positions.repeat_interleave(params.n, dim=0)
-        tokens, logprobs = self._decode(logits, cache, mask, positions[:, -1], params, generator)
+        hits = [self.prefix_store.match(p) for p in prompts] if entries is not None and params.n == 1 else []
+        with autocast(self.precision, device):
+            if hits and all(hit is not None for hit in hits):
+                # Multi-turn: only the tokens after each sequence's cached part are prefilled.
+                cache, ids, mask, positions = self.prefix_store.assemble(prompts, hits, self.pad_token_id, device)
+                self.prefix_store.note_hits(prompts, hits)
+            else:
+                ids, mask = _left_pad(prompts, self.pad_token_id)
+                ids, mask = ids.to(device), mask.to(device)
+                cache, positions = DynamicCache(), (mask.cumsum(-1) - 1).clamp(min=0)
+            # Prefill each distinct prompt once, then copy its cache for the n samples.
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+            logits = out.logits[:, -1, :]
+            if params.n > 1:
+                cache.batch_repeat_interleave(params.n)
+                logits = logits.repeat_interleave(params.n, dim=0)
+                mask = mask.repeat_interleave(params.n, dim=0)
+                positions = positions.repeat_interleave(params.n, dim=0)
+            preallocate(cache, params.max_new_tokens)
+            tokens, logprobs = self._decode(logits, cache, mask, positions[:, -1], params, generator)
         self.model.train(was_training)
-        return self._collect(tokens, logprobs, len(prompts), params)
+        outputs = self._collect(tokens, logprobs, len(prompts), params)
+        if entries is not None:
+            lengths = [len(o.token_ids) for group in outputs for o in group]
+            entries.extend(PrefixStore.extract(cache, prompts, mask, tokens, lengths, params.n))
+        return outputs
 
-    def _decode(self, logits, cache, mask, last_pos, params, generator):
-        batch = logits.shape[0]
+    def _decode(self, logits, cache, prompt_mask, last_pos, params, generator):
+        batch, width = prompt_mask.shape
+        # The whole mask up front; step k attends to the first width + k columns. Rows that
+        # are done keep attending (their tokens are pads and are thrown away), as HF generate does.
+        mask = torch.ones(batch, width + params.max_new_tokens, dtype=prompt_mask.dtype, device=logits.device)
+        mask[:, :width] = prompt_mask
         stop = torch.tensor(params.stop_token_ids or [-1], device=logits.device)
         done = torch.zeros(batch, dtype=torch.bool, device=logits.device)
-        all_tokens, all_logprobs = [], []
+        tokens_out = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=logits.device)
+        logprobs_out = torch.zeros(batch, params.max_new_tokens, dtype=torch.float32, device=logits.device)
+        steps = params.max_new_tokens
         for step in range(params.max_new_tokens):
             tokens, logprobs = sample_tokens(logits, params, generator)
             tokens = tokens.masked_fill(done, self.pad_token_id)
-            all_tokens.append(tokens)
-            all_logprobs.append(logprobs.masked_fill(done, 0.0))
-            done = done | torch.isin(tokens, stop)
-            if bool(done.all()) or step == params.max_new_tokens - 1:
+            tokens_out[:, step] = tokens
+            logprobs_out[:, step] = logprobs.masked_fill(done, 0.0)
+            done = done | (tokens[:, None] == stop[None, :]).any(-1)
+            if step == params.max_new_tokens - 1 or bool(done.all()):
+                steps = step + 1
                 break
-            mask = torch.cat([mask, (~done).long()[:, None]], dim=1)
             last_pos = last_pos + 1
-            out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[:, None],
-                             use_cache=True, **{self._cache_kw: cache})
+            out = self.model(input_ids=tokens[:, None], attention_mask=mask[:, :width + step + 1],
+                             position_ids=last_pos[:, None], use_cache=True, **{self._cache_kw: cache})
             logits = out.logits[:, -1, :]
-        return torch.stack(all_tokens, 1).cpu(), torch.stack(all_logprobs, 1).float().cpu()
+        return tokens_out[:, :steps].cpu(), logprobs_out[:, :steps].cpu()
 
     def _collect(self, tokens, logprobs, num_prompts, params) -> list[list[GenerationOutput]]:
         stops = set(params.stop_token_ids)

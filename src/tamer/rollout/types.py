@@ -23,6 +23,10 @@ class SamplingParams:
     max_new_tokens: int = 32
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    # Keep this call's KV per sequence and prefill a later prompt that extends one of them
+    # only from where it ends (multi-turn episodes). Engines with their own prefix caching
+    # (vLLM) may ignore it.
+    reuse_prefix: bool = False
 
     @property
     def greedy(self) -> bool:
