@@ -24,6 +24,8 @@ class Batch:
     advantages: torch.Tensor  # (B,) or (B, T) float32
     group_ids: torch.Tensor  # (B,) long
     rewards: torch.Tensor  # (B,) float32
+    prompt_lengths: torch.Tensor | None = None  # (B,) long, tokens before the first completion token
+    prefix_index: torch.Tensor | None = None  # (B,) long, equal for rows with identical prompts
     ref_logprobs: torch.Tensor | None = None  # (B, T) float32, when KL is on
     old_values: torch.Tensor | None = None  # (B, T) float32, PPO's critic at rollout time
     returns: torch.Tensor | None = None  # (B, T) float32, PPO's value targets
@@ -54,6 +56,8 @@ def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: in
     ids = [t.prompt_ids + t.completion_ids for t in trajectories]
     masks = [[0] * len(t.prompt_ids) + list(t.loss_mask) for t in trajectories]
     logprobs = [[0.0] * len(t.prompt_ids) + list(t.logprobs) for t in trajectories]
+    prefixes: dict[tuple[int, ...], int] = {}
+    prefix_index = [prefixes.setdefault(tuple(t.prompt_ids), len(prefixes)) for t in trajectories]
     return Batch(
         input_ids=right_pad(ids, pad_id, torch.long),
         attention_mask=right_pad([[1] * len(r) for r in ids], 0, torch.long),
@@ -62,14 +66,17 @@ def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: in
         advantages=advantages.float(),
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+        prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long),
+        prefix_index=torch.tensor(prefix_index, dtype=torch.long),
     )
 
 
-def micro_batches(batch: Batch, max_tokens: int) -> list[Batch]:
+def micro_batches(batch: Batch, max_tokens: int, with_rows: bool = False) -> list:
     """Split into micro-batches of at most `max_tokens` padded tokens each.
 
     Rows are sorted by length first so that rows of similar length share a micro-batch:
-    padding waste stays small without packing.
+    padding waste stays small without packing. `with_rows` also returns each micro-batch's
+    row indices in `batch`, as `(micro, rows)` pairs.
     """
     lengths = batch.attention_mask.sum(-1)
     order = torch.argsort(lengths, descending=True, stable=True).tolist()
@@ -83,4 +90,6 @@ def micro_batches(batch: Batch, max_tokens: int) -> list[Batch]:
         width = new_width
     if current:
         chunks.append(current)
+    if with_rows:
+        return [(batch.select(c), torch.tensor(c)) for c in chunks]
     return [batch.select(c) for c in chunks]

@@ -10,12 +10,21 @@ Each step follows the algorithm box of GRPO (Shao et al., 2024):
     6. evaluate on held-out tasks, checkpoint, log
 
 Simplifications, stated as nanochat does: the sampler and the learner share one module in
-one process (`HFEngine.sync_weights` is where a separate engine would receive weights);
-old logprobs are the sampler's own logprobs unless `recompute_old_logprobs` is set.
+one process (`HFEngine.sync_weights` is where a separate engine would receive weights).
+Old logprobs: with one pass and one mini-batch (μ = 1, the default) the update is on-policy,
+π_old = π_θ, and the loss uses a detached copy of the learner's own logprobs (ρ = 1 exactly,
+as MATH.md and TRL do); the sampler's logprobs then only feed `train/sampler_logprob_gap`,
+which measures sampler/learner disagreement (bf16 rounding, a separate engine). With μ > 1
+old logprobs are the sampler's, or a learner forward when `recompute_old_logprobs` is set.
+
+Speed (docs/performance.md): the learner forwards each group's shared prompt once
+(`share_prompt_prefix`), the reference forward runs only when β > 0, and `precision: bf16`
+runs sampler and learner under bf16 autocast with fp32 master weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
@@ -33,13 +42,15 @@ from tamer.evaluate import EvalConfig, evaluate
 from tamer.models import stop_token_ids
 from tamer.rewards import RewardComposer
 from tamer.rollout.agent import AgentConfig
-from tamer.rollout.engine import GenerationEngine, HFEngine
+from tamer.rollout.engine import PRECISIONS, GenerationEngine, HFEngine, autocast
 from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams, Trajectory
 from tamer.tasks.base import Task, TaskPool
 from tamer.trainers.batch import Batch, collate, micro_batches
 from tamer.trainers.critic import Critic, CriticConfig
-from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler, token_logprobs
+from tamer.trainers.common import (
+    OptimConfig, clip_and_step, make_optimizer, make_scheduler, shared_prefix_logprobs, token_logprobs,
+)
 
 DYNAMIC_SAMPLING = ("off", "drop", "refill")
 
@@ -95,7 +106,9 @@ class RLConfig:
     ppo_epochs: int = 1  # μ: passes over each batch of rollouts
     mini_batches: int = 1  # optimizer steps per pass
     micro_batch_tokens: int = 8192  # padded tokens per forward/backward (gradient accumulation)
-    recompute_old_logprobs: bool = False
+    recompute_old_logprobs: bool = False  # μ > 1: old logprobs from a learner forward, not the sampler
+    precision: str = "fp32"  # fp32 | bf16 (autocast for sampler and learner; fp32 weights and optimizer)
+    share_prompt_prefix: bool = True  # learner: forward each group's shared prompt once, not G times
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)  # used when algorithm.advantage = gae
@@ -114,6 +127,13 @@ class RLConfig:
             raise ValueError("rl.group_size: group-relative advantages need at least 2 attempts per prompt")
         if self.mini_batches > self.prompts_per_step * self.group_size:
             raise ValueError("rl.mini_batches: more mini-batches than trajectories per step")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"rl.precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+
+    @property
+    def on_policy(self) -> bool:
+        """One pass, one mini-batch: every update is taken at the weights that sampled."""
+        return self.ppo_epochs == 1 and self.mini_batches == 1 and not self.recompute_old_logprobs
 
 
 def _step_seed(seed: int, step: int, round_: int = 0) -> int:
@@ -143,7 +163,7 @@ class RLTrainer:
         self.heldout, self.rewards, self.eval_config = heldout_tasks, rewards, eval_config
         self.run_dir, self.tracker = Path(run_dir), tracker
         self.pool = TaskPool(train_tasks, seed=config.seed)
-        self.engine = engine or HFEngine(model, tokenizer.pad_token_id)
+        self.engine = engine or HFEngine(model, tokenizer.pad_token_id, precision=config.precision)
         self.rollout = Rollout(self.engine, tokenizer, agent)
         self.stop_ids = stop_token_ids(tokenizer)
         self.optimizer = make_optimizer(model, config.optim)
@@ -155,6 +175,7 @@ class RLTrainer:
         self.advantage_fn = None if self.uses_critic else get_advantage_fn(config.algorithm.advantage)
         self.policy_loss_fn = get_policy_loss_fn(config.algorithm.policy_loss)
         self.step = 0
+        self.timings: dict[str, float] = {}  # seconds per phase of the current step (time/* metrics)
         self.last_eval: dict[str, float] = {}
         self._reported_reward_error = False
 
@@ -176,25 +197,58 @@ class RLTrainer:
         if self.step == 0 and cfg.eval_every:  # the starting point of the accuracy curve
             self._log(initial_eval or self.evaluate(), 0)
         while self.step < cfg.steps:
-            step = self.step + 1
-            t0 = time.perf_counter()
-            trajectories, metrics = self.collect(step)  # 1-3: sample, roll out, score
-            t1 = time.perf_counter()
-            if trajectories:
-                batch = self.make_batch(trajectories)  # 4: advantages (+ reference logprobs)
-                metrics.update(self.update(batch, step))  # 5: μ inner updates
-            else:
-                metrics["train/skipped_updates"] = 1.0
-            t2 = time.perf_counter()
-            self.step = step
-            metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1,
-                            "train/lr": self.scheduler.get_last_lr()[0]})
+            metrics = self.train_step()
+            step = self.step
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 metrics.update(self.evaluate())  # 6: held-out evaluation
             self._log(metrics, step)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
         return self.last_eval
+
+    def train_step(self) -> dict[str, float]:
+        """One step of the algorithm box (1-5), without evaluation or checkpoints; returns its metrics.
+
+        `time/*` metrics split the step: generate, score, logprobs (reference and old-logprob
+        forwards), forward_backward, optimizer; rollout_s and update_s are their two halves.
+        """
+        step = self.step + 1
+        self.timings = {}
+        t0 = time.perf_counter()
+        trajectories, metrics = self.collect(step)  # 1-3: sample, roll out, score
+        t1 = time.perf_counter()
+        if trajectories:
+            with self._timed("logprobs"):
+                batch = self.make_batch(trajectories)  # 4: advantages (+ reference logprobs)
+            metrics.update(self.update(batch, step))  # 5: μ inner updates
+            metrics.update(self._token_counts(batch))
+        else:
+            metrics["train/skipped_updates"] = 1.0
+        t2 = time.perf_counter()
+        self.step = step
+        metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1,
+                        "train/lr": self.scheduler.get_last_lr()[0]})
+        metrics.update({f"time/{name}_s": seconds for name, seconds in self.timings.items()})
+        return metrics
+
+    def _token_counts(self, batch: Batch) -> dict[str, float]:
+        """Tokens the step pushed through the model (for FLOP counts): sampled, prefilled, learned on."""
+        lengths = batch.attention_mask.sum(-1)
+        completions = float((lengths - batch.prompt_lengths).sum())
+        _, first = torch.unique(batch.prefix_index, return_inverse=True)
+        unique_prompts = float(torch.zeros(int(first.max()) + 1, dtype=torch.long).scatter_(
+            0, first, batch.prompt_lengths).sum())
+        shared = self.config.share_prompt_prefix and len(batch) > 1
+        return {"tokens/generated": float(batch.loss_mask.sum()), "tokens/prefill": unique_prompts,
+                "tokens/learner": completions + (unique_prompts if shared else float(batch.prompt_lengths.sum()))}
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
     # ---------------------------------------------------------------- phases
     def sampling_params(self, step: int, round_: int = 0) -> SamplingParams:
@@ -212,8 +266,10 @@ class RLTrainer:
         for round_ in range(1 + (cfg.algorithm.max_refill_rounds if mode == "refill" else 0)):
             missing = cfg.prompts_per_step - len(kept) // cfg.group_size
             tasks = self.pool.next_batch(missing)
-            trajs = self.rollout.run(tasks, self.sampling_params(step, round_), group_offset=len(seen) // cfg.group_size)
-            self._score(trajs)
+            with self._timed("generate"):
+                trajs = self.rollout.run(tasks, self.sampling_params(step, round_), group_offset=len(seen) // cfg.group_size)
+            with self._timed("score"):
+                self._score(trajs)
             seen += trajs
             kept += trajs if mode == "off" else self._with_spread(trajs)
             if mode != "refill" or len(kept) // cfg.group_size >= cfg.prompts_per_step:
@@ -281,15 +337,22 @@ class RLTrainer:
         std = masked_mean((advantages - mean) ** 2, mask).sqrt()
         batch.advantages = ((advantages - mean) / (std + 1e-6)) * mask
 
+    def _logprobs(self, model: PreTrainedModel, batch: Batch) -> torch.Tensor:
+        """Learner logprobs (B, T) float32 of `batch` under `model`, in the configured precision."""
+        cfg = self.config
+        with autocast(cfg.precision, batch.input_ids.device):
+            if cfg.share_prompt_prefix and batch.prefix_index is not None and len(batch) > 1:
+                return shared_prefix_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_lengths,
+                                              batch.prefix_index, cfg.temperature)
+            return token_logprobs(model, batch.input_ids, batch.attention_mask, cfg.temperature)
+
     @torch.no_grad()
     def _no_grad_logprobs(self, model: PreTrainedModel, batch: Batch) -> torch.Tensor:
         out = torch.zeros_like(batch.old_logprobs)
         lengths = batch.attention_mask.sum(-1)
-        rows = max(1, self.config.micro_batch_tokens // max(1, batch.input_ids.shape[1]))
-        for start in range(0, len(batch), rows):
-            sl = slice(start, start + rows)
-            lp = token_logprobs(model, batch.input_ids[sl], batch.attention_mask[sl], self.config.temperature)
-            out[sl] = lp * (torch.arange(lp.shape[1])[None, :] < lengths[sl, None])
+        for micro, rows in micro_batches(batch, self.config.micro_batch_tokens, with_rows=True):
+            lp = self._logprobs(model, micro)
+            out[rows, :lp.shape[1]] = lp * (torch.arange(lp.shape[1])[None, :] < lengths[rows, None])
         return out
 
     def update(self, batch: Batch, step: int) -> dict[str, float]:
@@ -317,11 +380,14 @@ class RLTrainer:
             share = float((micro.loss_mask.sum(-1) > 0).sum()) if seq_mode else float(micro.loss_mask.sum())
             if share == 0:
                 continue
-            loss, metrics = self._micro_loss(micro)
-            (loss * share / max(total, 1.0)).backward()
+            with self._timed("forward_backward"):
+                loss, metrics = self._micro_loss(micro)
+                (loss * share / max(total, 1.0)).backward()
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * share / max(total, 1.0)
-        sums["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.scheduler, self.config.optim.max_grad_norm)
+        with self._timed("optimizer"):
+            sums["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.scheduler,
+                                                    self.config.optim.max_grad_norm)
         if self.critic is not None:
             sums.update(self.critic.update(mini))
         return sums
@@ -329,11 +395,17 @@ class RLTrainer:
     def _micro_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         alg = self.config.algorithm
         constant = alg.aggregation_constant or float(self.config.max_new_tokens)
-        logprobs = token_logprobs(self.model, micro.input_ids, micro.attention_mask, self.config.temperature)
-        loss_matrix, parts = self.policy_loss_fn(logprobs, micro.old_logprobs, micro.advantages,
+        logprobs = self._logprobs(self.model, micro)
+        old_logprobs = micro.old_logprobs
+        metrics = {}
+        if self.config.on_policy:  # π_old = π_θ: ρ = 1 in value, ∇ρ = ∇ log π_θ
+            old_logprobs = logprobs.detach()
+            gap = (logprobs.detach() - micro.old_logprobs).abs()
+            metrics["train/sampler_logprob_gap"] = float(masked_mean(gap, micro.loss_mask))
+        loss_matrix, parts = self.policy_loss_fn(logprobs, old_logprobs, micro.advantages,
                                                  micro.loss_mask, **alg.loss_hparams())
         loss = aggregate(loss_matrix, micro.loss_mask, alg.aggregation, constant=constant)
-        metrics = {"train/policy_loss": loss.item()}
+        metrics["train/policy_loss"] = loss.item()
         metrics.update({f"train/{k}": float(v) for k, v in parts.items()})
         if micro.ref_logprobs is not None:
             kl = aggregate(kl_penalty(logprobs, micro.ref_logprobs, alg.kl_estimator), micro.loss_mask,
