@@ -1,0 +1,169 @@
+"""The speed paths give the same numbers as the plain ones: in-place KV decode, shared-prompt
+learner forward, on-policy old logprobs, bf16 autocast; and vs_trl.py's tamer side runs."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tamer.models import encode_chat, stop_token_ids
+from tamer.rewards import RewardComposer, RewardConfig
+from tamer.rollout.engine import HFEngine, _left_pad, autocast, sample_tokens
+from tamer.rollout.runner import Rollout
+from tamer.rollout.types import SamplingParams
+from tamer.tasks import ArithmeticTasks
+from tamer.trainers.batch import collate, micro_batches
+from tamer.trainers.common import OptimConfig, shared_prefix_logprobs, token_logprobs
+from tamer.trainers.rl import RLConfig, RLTrainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _prompts(tokenizer, n):
+    return [encode_chat(tokenizer, [{"role": "user", "content": f"{10 + 7 * i}+{31 + 3 * i}"}]) for i in range(n)]
+
+
+@torch.no_grad()
+def _plain_sampling(model, prompt, params, generator):
+    """The slowest correct sampler: full forward of the whole sequence for every token, no cache."""
+    ids, lps = list(prompt), []
+    for _ in range(params.max_new_tokens):
+        logits = model(input_ids=torch.tensor([ids])).logits[:, -1]
+        token, lp = sample_tokens(logits, params, generator)
+        ids.append(int(token))
+        lps.append(float(lp))
+    return ids[len(prompt):], lps
+
+
+def test_in_place_cache_decode_samples_like_plain_loop(tokenizer, tiny_model):
+    """Same seed, same tokens: the engine's prefill-once, in-place-cache decode vs recompute-everything."""
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=16, seed=7)
+    prompts = _prompts(tokenizer, 3)
+    engine_out = HFEngine(tiny_model, tokenizer.pad_token_id).generate(prompts, params)
+    generator = torch.Generator().manual_seed(params.seed)
+    # The engine draws one token per row per step for the whole batch; replay that order.
+    ids, mask = _left_pad(prompts, tokenizer.pad_token_id)
+    with torch.no_grad():
+        seqs, lps = ids.clone(), []
+        for _ in range(params.max_new_tokens):
+            am = torch.cat([mask, torch.ones(len(prompts), seqs.shape[1] - ids.shape[1], dtype=torch.long)], 1)
+            logits = tiny_model(input_ids=seqs, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits[:, -1]
+            token, lp = sample_tokens(logits, params, generator)
+            seqs = torch.cat([seqs, token[:, None]], 1)
+            lps.append(lp)
+    plain_tokens = seqs[:, ids.shape[1]:].tolist()
+    assert [g[0].token_ids for g in engine_out] == plain_tokens
+    torch.testing.assert_close(torch.tensor([g[0].logprobs for g in engine_out]), torch.stack(lps, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_single_prompt_matches_unbatched_plain_sampler(tokenizer, tiny_model):
+    params = SamplingParams(n=1, temperature=0.8, max_new_tokens=12, seed=3)
+    prompt = _prompts(tokenizer, 1)[0]
+    out = HFEngine(tiny_model, tokenizer.pad_token_id).generate([prompt], params)[0][0]
+    tokens, lps = _plain_sampling(tiny_model, prompt, params, torch.Generator().manual_seed(params.seed))
+    assert out.token_ids == tokens
+    torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(lps), atol=1e-5, rtol=1e-5)
+
+
+def _batch(tokenizer, model, n=4, tasks=3):
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=10, stop_token_ids=stop_token_ids(tokenizer), seed=2)
+    trajs = Rollout(HFEngine(model, tokenizer.pad_token_id), tokenizer).run(ArithmeticTasks().split()[1][:tasks], params)
+    trajs[0].prompt_ids = trajs[0].prompt_ids[3:]  # a prompt of another length, alone in its prefix group
+    return collate(trajs, torch.zeros(len(trajs)), tokenizer.pad_token_id)
+
+
+def test_shared_prefix_logprobs_and_gradients_equal_plain(tokenizer, tiny_model):
+    batch = _batch(tokenizer, tiny_model)
+    assert len(set(batch.prefix_index.tolist())) == 4  # 3 groups, one row split off
+    plain = token_logprobs(tiny_model, batch.input_ids, batch.attention_mask, 0.7)
+    shared = shared_prefix_logprobs(tiny_model, batch.input_ids, batch.attention_mask, batch.prompt_lengths,
+                                    batch.prefix_index, 0.7)
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(shared[mask], plain[mask], atol=1e-5, rtol=1e-5)
+    assert (shared[~mask] == 0).all()
+    params = list(tiny_model.parameters())
+    g_plain = torch.autograd.grad((plain * batch.loss_mask).sum(), params)
+    g_shared = torch.autograd.grad((shared * batch.loss_mask).sum(), params)
+    for a, b in zip(g_plain, g_shared):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_micro_batches_with_rows_cover_every_row(tokenizer, tiny_model):
+    batch = _batch(tokenizer, tiny_model)
+    pairs = micro_batches(batch, max_tokens=64, with_rows=True)
+    rows = torch.cat([r for _, r in pairs])
+    assert sorted(rows.tolist()) == list(range(len(batch)))
+    for micro, r in pairs:
+        assert torch.equal(micro.prefix_index, batch.prefix_index[r])
+
+
+def _trainer(model, tokenizer, tmp_path, **overrides):
+    cfg = RLConfig(**{"steps": 2, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8,
+                      "optim": OptimConfig(lr=1e-3), "eval_every": 0, **overrides})
+    train, held = ArithmeticTasks().split()
+    # A reward that splits every group (an untrained model's completions all run to max length).
+    parity = {"parity": lambda traj: float(sum(traj.completion_ids) % 2)}
+    rewards = RewardComposer(RewardConfig(weights={"correctness": 1.0, "parity": 1.0}), parity)
+    return RLTrainer(model, tokenizer, train, held, rewards, cfg, run_dir=tmp_path)
+
+
+def test_shared_prefix_step_equals_plain_step(tokenizer, tmp_path):
+    """One RL step with and without the shared-prompt forward moves the weights the same way."""
+    from tests.conftest import TINY
+    from tamer.models import build_tiny_model
+    moved = []
+    for share in (True, False):
+        model = build_tiny_model(tokenizer, TINY)
+        metrics = _trainer(model, tokenizer, tmp_path, share_prompt_prefix=share).train_step()
+        moved.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        assert not torch.equal(moved[-1], torch.cat([p.flatten() for p in build_tiny_model(tokenizer, TINY).parameters()]))
+        assert metrics["train/sampler_logprob_gap"] < 1e-4  # fp32: sampler and learner agree
+    # Adam divides by sqrt(v): a 1e-7 gradient difference on a near-zero gradient moves ~1% of lr.
+    torch.testing.assert_close(moved[0], moved[1], atol=1e-5, rtol=1e-4)
+
+
+def test_bf16_step_runs_with_fp32_weights(tiny_model, tokenizer, tmp_path):
+    before = [p.detach().clone() for p in tiny_model.parameters()]
+    trainer = _trainer(tiny_model, tokenizer, tmp_path, precision="bf16")
+    metrics = trainer.train_step()
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+    assert all(p.dtype == torch.float32 for p in tiny_model.parameters())
+    assert any(not torch.equal(a, p) for a, p in zip(before, tiny_model.parameters()))
+    assert metrics["time/generate_s"] > 0 and metrics["time/forward_backward_s"] > 0
+    assert metrics["tokens/learner"] < metrics["tokens/generated"] + 8 * metrics["tokens/prefill"]
+
+
+def test_bf16_autocast_logprobs_are_float32_and_close(tokenizer, tiny_model):
+    batch = _batch(tokenizer, tiny_model)
+    with torch.no_grad():
+        fp32 = token_logprobs(tiny_model, batch.input_ids, batch.attention_mask)
+        with autocast("bf16"):
+            bf16 = token_logprobs(tiny_model, batch.input_ids, batch.attention_mask)
+    assert bf16.dtype == torch.float32
+    mask = batch.loss_mask.bool()
+    assert (bf16[mask] - fp32[mask]).abs().max() < 0.1
+
+
+def test_precision_is_validated():
+    with pytest.raises(ValueError, match="rl.precision"):
+        RLConfig(precision="fp16")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install -e '.[bench]')")
+def test_vs_trl_smoke(tmp_path):
+    """Both sides of benchmarks/vs_trl.py run and print the documented keys."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--sizes", "1m", "--betas", "0.04",
+                          "--precisions", "fp32", "--steps", "1", "--warmup", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("model_params", "beta", "precision", "tamer_s_per_step", "trl_s_per_step", "ratio",
+                "tamer_gen_tokens_per_s", "trl_gen_tokens_per_s", "tamer_peak_rss_mb", "trl_peak_rss_mb",
+                "tamer_utilization_vs_1024", "tamer_profile_s", "trl_profile_s"):
+        assert key in row
+    assert row["beta"] == 0.04 and row["tamer_s_per_step"] > 0
