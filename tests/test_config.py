@@ -43,3 +43,13 @@ def test_parse_overrides_nests():
     assert parse_overrides(["a.b.c=1", "a.d=x"]) == {"a": {"b": {"c": 1}, "d": "x"}}
     with pytest.raises(ConfigError, match="key=value"):
         parse_overrides(["novalue"])
+
+
+def test_setting_one_field_keeps_the_root_defaults_of_its_section():
+    """`rl.steps=5` must not reset rl.optim.lr to RLConfig's class default."""
+    from tamer.pipeline import RunConfig
+
+    base = RunConfig()
+    cfg = load_config(RunConfig, overrides=["rl.steps=5", "sft.batch_size=4"])
+    assert cfg.rl.steps == 5 and cfg.rl.optim == base.rl.optim and cfg.rl.eval_every == base.rl.eval_every
+    assert cfg.sft.batch_size == 4 and cfg.sft.optim == base.sft.optim and cfg.sft.steps == base.sft.steps

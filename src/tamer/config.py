@@ -156,4 +156,6 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
     data = merge(merge(parse_overrides(preset or []), data), parse_overrides(overrides or []))
-    return from_dict(cls, data)
+    # Start from the root's own defaults, so that setting one field of a section keeps the
+    # root's defaults for its other fields (RunConfig's rl.optim.lr, not RLConfig's).
+    return from_dict(cls, merge(to_dict(cls()), data))
