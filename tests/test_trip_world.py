@@ -256,3 +256,19 @@ def test_demonstrator_episodes_are_short(worlds):
     print(f"\nepisode chars: demonstrator mean {statistics.mean(lengths):.0f} max {max(lengths)}, "
           f"perfect mean {perfect:.0f}")
     assert statistics.mean(lengths) < 700 and perfect < 560
+
+
+def test_hasty_demonstrator_recovers_from_a_busy_day(worlds):
+    """hasty_rate=1: in trap worlds one failed `book` ("day N busy"), then a valid booking."""
+    rng, traps = random.Random(0), 0
+    for w in worlds[:100]:
+        calls = demonstrator_calls(w, rng, waste_rate=0.0, pricier_rate=0.0, hasty_rate=1.0)
+        tools, observations = replay(w, calls)
+        score = score_booking(w, tools)
+        assert score["success"] and score["optimal"]
+        trap = bool(w.conflicts(min(w.flights, key=lambda f: f.price)))
+        traps += trap
+        assert score["errors"] == int(trap) and len(calls) == MIN_TOOL_CALLS + int(trap)
+        if trap:
+            assert "busy" in observations[-2] and calls[-2][0] == "book"
+    assert 20 < traps < 80

@@ -7,7 +7,8 @@ the agent stops calling tools. The verifiable best plan is known for every world
 outcome is scored as: valid booking made, cost over the optimum, tool calls, errors.
 
 The scripted demonstrator is correct but wasteful: it repeats searches, checks the
-calendar twice or day by day, and sometimes books a valid but pricier plan.
+calendar twice or day by day, sometimes books a valid but pricier plan, and (with
+`demo_hasty_rate`) sometimes first tries the cheapest flight though it hits a busy day.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ class TripPlannerConfig:
     world: TripWorldConfig = field(default_factory=TripWorldConfig)
     demo_waste_rate: float = 0.5  # chance of redundant calls
     demo_pricier_rate: float = 0.3  # chance of booking a valid but pricier plan
+    demo_hasty_rate: float = 0.0  # chance of first trying the cheapest flight when it hits a busy day
 
     def __post_init__(self) -> None:
-        for name in ("demo_waste_rate", "demo_pricier_rate"):
+        for name in ("demo_waste_rate", "demo_pricier_rate", "demo_hasty_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"task.trip_planner.{name}: expected a probability in [0, 1]")
 
@@ -92,7 +94,8 @@ class TripPlannerTasks:
 
     def demonstrate_turns(self, task: Task, rng: random.Random) -> list[str]:
         calls = demonstrator_calls(World.from_dict(task.meta["world"]), rng,
-                                   waste_rate=self.config.demo_waste_rate, pricier_rate=self.config.demo_pricier_rate)
+                                   waste_rate=self.config.demo_waste_rate, pricier_rate=self.config.demo_pricier_rate,
+                                   hasty_rate=self.config.demo_hasty_rate)
         return [format_call(name, args) for name, args in calls]
 
     def demonstrate(self, task: Task, rng: random.Random) -> str:

@@ -366,12 +366,15 @@ def _calendar_calls(world: World, rng: random.Random, waste_rate: float) -> list
 
 
 def demonstrator_calls(world: World, rng: random.Random, *, waste_rate: float = 0.5,
-                       pricier_rate: float = 0.3) -> list[tuple[str, dict[str, Any]]]:
+                       pricier_rate: float = 0.3, hasty_rate: float = 0.0) -> list[tuple[str, dict[str, Any]]]:
     """The scripted demonstrator's (tool, arguments) calls, ending with a `book` that always succeeds.
 
     Correct but wasteful, like a careful person: with `waste_rate` it repeats a search or
     checks the calendar twice or flight by flight, and with `pricier_rate` it books a valid
-    plan that is not the cheapest (when one exists within budget).
+    plan that is not the cheapest (when one exists within budget). With `hasty_rate`, when
+    the cheapest flight hits a busy day, it first tries to book that flight anyway, reads
+    the "day N busy" error and then books a valid plan: a wasted call and an error, and an
+    example of recovering from one.
     """
     flights = ("search_flights", {"origin": world.origin, "dest": world.destination})
     hotels = ("search_hotels", {"city": world.destination, "nights": world.nights})
@@ -380,6 +383,10 @@ def demonstrator_calls(world: World, rng: random.Random, *, waste_rate: float = 
     calls += _calendar_calls(world, rng, waste_rate)
     plans = valid_plans(world)
     flight_id, hotel_id, _ = rng.choice(plans[1:]) if len(plans) > 1 and rng.random() < pricier_rate else plans[0]
+    cheapest_flight = min(world.flights, key=lambda f: f.price)
+    if world.conflicts(cheapest_flight) and rng.random() < hasty_rate:
+        cheapest_hotel = min(world.hotels, key=lambda h: h.night)
+        calls.append(("book", {"flight": cheapest_flight.id, "hotel": cheapest_hotel.id}))
     return calls + [("book", {"flight": flight_id, "hotel": hotel_id})]
 
 
