@@ -272,3 +272,17 @@ def test_hasty_demonstrator_recovers_from_a_busy_day(worlds):
         if trap:
             assert "busy" in observations[-2] and calls[-2][0] == "book"
     assert 20 < traps < 80
+
+
+def test_plan_note_reasons_from_what_the_tools_showed(worlds):
+    """Each flight's stay and whether it is free, the free prices, the cheapest hotel's total."""
+    from tamer.tasks.trip_world import plan_note
+
+    w = worlds[0]
+    note = plan_note(w)
+    assert note.startswith("<think>") and note.endswith("</think>")
+    for f in w.flights:
+        span = f"{f.id} {f.day}-{f.day + w.nights} "
+        assert span + ("busy" if w.conflicts(f) else f"ok {f.price}") in note
+    hotel = min(w.hotels, key=lambda h: h.night)
+    assert note.endswith(f"; {hotel.id} {hotel.night * w.nights}</think>")

@@ -21,7 +21,8 @@ from tamer.tasks.base import TASK_SOURCES, Task
 from tamer.tasks.env import ENVIRONMENTS, StepResult
 from tamer.tasks.tool_env import ToolEnvConfig, ToolEnvironment
 from tamer.tasks.trip_world import (
-    TripTools, TripWorldConfig, World, demonstrator_calls, generate_world, score_booking, split, task_prompt, to_json, world_id,
+    TripTools, TripWorldConfig, World, demonstrator_calls, generate_world, plan_note, score_booking, split, task_prompt,
+    to_json, world_id,
 )
 from tamer.tools.schema import ToolSet
 
@@ -67,6 +68,7 @@ class TripPlannerConfig:
     demo_waste_rate: float = 0.5  # chance of redundant calls
     demo_pricier_rate: float = 0.3  # chance of booking a valid but pricier plan
     demo_hasty_rate: float = 0.0  # chance of first trying the cheapest flight when it hits a busy day
+    demo_think: bool = True  # write the plan (each flight's stay, busy or free; cheapest hotel) before booking
 
     def __post_init__(self) -> None:
         for name in ("demo_waste_rate", "demo_pricier_rate", "demo_hasty_rate"):
@@ -96,7 +98,10 @@ class TripPlannerTasks:
         calls = demonstrator_calls(World.from_dict(task.meta["world"]), rng,
                                    waste_rate=self.config.demo_waste_rate, pricier_rate=self.config.demo_pricier_rate,
                                    hasty_rate=self.config.demo_hasty_rate)
-        return [format_call(name, args) for name, args in calls]
+        turns = [format_call(name, args) for name, args in calls]
+        if self.config.demo_think:  # the final, successful booking is preceded by its reasoning
+            turns[-1] = plan_note(World.from_dict(task.meta["world"])) + turns[-1]
+        return turns
 
     def demonstrate(self, task: Task, rng: random.Random) -> str:
         return "".join(self.demonstrate_turns(task, rng))

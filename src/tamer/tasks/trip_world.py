@@ -390,6 +390,20 @@ def demonstrator_calls(world: World, rng: random.Random, *, waste_rate: float = 
     return calls + [("book", {"flight": flight_id, "hotel": hotel_id})]
 
 
+def plan_note(world: World) -> str:
+    """The reasoning written before booking, from what the searches and the calendar showed.
+
+    Each flight's stay (leave day through home day), whether a busy day falls in it, the
+    price of those that are free, and the cheapest hotel, e.g.
+    `<think>F1 3-7 busy, F2 2-6 ok 80, F3 3-7 busy; H1 160</think>`. A tiny model cannot
+    hold all of this in one step; written out, each part is a short local computation.
+    """
+    flights = ", ".join(f"{f.id} {f.day}-{f.day + world.nights} " + ("busy" if world.conflicts(f) else f"ok {f.price}")
+                        for f in world.flights)
+    hotel = min(world.hotels, key=lambda h: h.night)
+    return f"<think>{flights}; {hotel.id} {hotel.night * world.nights}</think>"
+
+
 def score_booking(world: World, tools: TripTools) -> dict[str, Any]:
     """Outcome facts for rewards: did a valid booking happen, at what cost, with how many calls and errors.
 
