@@ -9,7 +9,11 @@
 * decode without per-step copies: the KV cache and the attention mask are allocated once
   for the whole completion and written in place (transformers' `DynamicCache` concatenates,
   copying the whole cache at every step: a third of decode time at 20M parameters),
-* run under bf16 autocast (`precision="bf16"`) with the fp32 weights left as they are.
+* run under bf16 autocast (`precision="bf16"`) with the fp32 weights left as they are,
+* on Llama/Qwen2-family models, run prefill and decode through `FastDecoder`
+  (`rollout/fast_forward.py`: the same maths as the HF forward with plain torch ops, fused
+  QKV and gate/up weights, precomputed RoPE tables, its own masks); any other model, or
+  `fast=False`, goes through the HF forward.
 
 A vLLM engine on GPU plugs in behind the same `generate` call.
 """
@@ -24,6 +28,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from tamer.rollout.fast_forward import FastDecoder
 from tamer.rollout.prefix_cache import PrefixEntry, PrefixStore
 from tamer.rollout.types import GenerationOutput, SamplingParams
 
@@ -132,17 +137,25 @@ class HFEngine:
     """Batched sampling with a KV cache on a `transformers` model (CPU or GPU)."""
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, *, max_batch: int = 256,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", fast: bool = True) -> None:
         autocast(precision)  # validates the name
-        self.model = model
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
         self.precision = precision
-        self._cache_kw = cache_keyword(model)
+        self.use_fast = fast
         self.prefix_store = PrefixStore()  # KV of the last call's sequences (params.reuse_prefix)
+        self._set_model(model)
+
+    def _set_model(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self._cache_kw = cache_keyword(model)
+        # The lean forward, or None (unsupported model, or fast=False): then the HF forward runs.
+        # It snapshots fused weights and refreshes them whenever a parameter has changed.
+        self.fast = FastDecoder.for_model(model) if self.use_fast else None
 
     def sync_weights(self, model: PreTrainedModel) -> None:
-        self.model = model  # same process: the learner's module is the sampler's
+        if model is not self.model:  # same process: the learner's module is the sampler's
+            self._set_model(model)
         self.prefix_store.clear()  # cached keys and values belong to the old weights
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[GenerationOutput]]:
@@ -150,6 +163,8 @@ class HFEngine:
         per_chunk = max(1, self.max_batch // params.n)
         outputs: list[list[GenerationOutput]] = []
         entries: list[PrefixEntry] | None = [] if params.reuse_prefix else None
+        if self.fast is not None:
+            self.fast.refresh()  # the current weights, fused (see FastDecoder.refresh)
         for start in range(0, len(prompts), per_chunk):
             outputs.extend(self._generate_chunk(prompts[start:start + per_chunk], params, generator, entries))
         self.prefix_store.replace(entries or [])
@@ -173,17 +188,14 @@ class HFEngine:
                 ids, mask = _left_pad(prompts, self.pad_token_id)
                 ids, mask = ids.to(device), mask.to(device)
                 cache, positions = DynamicCache(), (mask.cumsum(-1) - 1).clamp(min=0)
-            # Prefill each distinct prompt once, then copy its cache for the n samples.
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-            logits = out.logits[:, -1, :]
+            if self.fast is not None:
+                cache, logits, step_fn = self._fast_prefill(cache, ids, mask, positions, params)
+            else:
+                cache, logits, step_fn = self._hf_prefill(cache, ids, mask, positions, params)
             if params.n > 1:
-                cache.batch_repeat_interleave(params.n)
-                logits = logits.repeat_interleave(params.n, dim=0)
                 mask = mask.repeat_interleave(params.n, dim=0)
                 positions = positions.repeat_interleave(params.n, dim=0)
-            preallocate(cache, params.max_new_tokens)
-            tokens, logprobs = self._decode(logits, cache, mask, positions[:, -1], params, generator)
+            tokens, logprobs = self._decode(logits, step_fn, mask, positions[:, -1], params, generator)
         self.model.train(was_training)
         outputs = self._collect(tokens, logprobs, len(prompts), params)
         if entries is not None:
@@ -191,12 +203,42 @@ class HFEngine:
             entries.extend(PrefixStore.extract(cache, prompts, mask, tokens, lengths, params.n))
         return outputs
 
-    def _decode(self, logits, cache, prompt_mask, last_pos, params, generator):
-        batch, width = prompt_mask.shape
-        # The whole mask up front; step k attends to the first width + k columns. Rows that
-        # are done keep attending (their tokens are pads and are thrown away), as HF generate does.
-        mask = torch.ones(batch, width + params.max_new_tokens, dtype=prompt_mask.dtype, device=logits.device)
-        mask[:, :width] = prompt_mask
+    def _hf_prefill(self, cache: DynamicCache, ids, mask, positions, params):
+        """Prefill each distinct prompt once with the HF forward, then copy its cache for the n samples."""
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        logits = out.logits[:, -1, :]
+        if params.n > 1:
+            cache.batch_repeat_interleave(params.n)
+            logits = logits.repeat_interleave(params.n, dim=0)
+        preallocate(cache, params.max_new_tokens)
+        full = torch.ones(logits.shape[0], mask.shape[1] + params.max_new_tokens, dtype=mask.dtype, device=mask.device)
+        full[:, :mask.shape[1]] = mask.repeat_interleave(params.n, dim=0) if params.n > 1 else mask
+        width = mask.shape[1]
+
+        def step(tokens, pos, k):  # k-th fed token: attends to the first width + k + 1 columns
+            return self.model(input_ids=tokens[:, None], attention_mask=full[:, :width + k + 1],
+                              position_ids=pos[:, None], use_cache=True, **{self._cache_kw: cache}).logits[:, -1, :]
+        return cache, logits, step
+
+    def _fast_prefill(self, cache: DynamicCache, ids, mask, positions, params):
+        """The same with `FastDecoder`: KV buffers for prompt + completion, the prompt's rows repeated n times."""
+        past = [(layer.keys, layer.values) for layer in cache.layers] if cache.layers else None
+        logits, kv = self.fast.prefill(ids, mask, positions, past=past, repeat=params.n, extra=params.max_new_tokens)
+        key_mask = torch.ones(logits.shape[0], mask.shape[1] + params.max_new_tokens, dtype=torch.bool, device=mask.device)
+        key_mask[:, :mask.shape[1]] = (mask.repeat_interleave(params.n, dim=0) if params.n > 1 else mask).bool()
+
+        def step(tokens, pos, k):
+            return self.fast.decode(tokens, pos, kv, key_mask)
+        return kv, logits, step
+
+    def _decode(self, logits, step_fn, prompt_mask, last_pos, params, generator):
+        """Sample up to max_new_tokens per row; `step_fn(tokens, positions, k)` feeds the k-th tokens back.
+
+        Rows that are done keep being fed (their tokens are pads and are thrown away), as HF
+        generate does.
+        """
+        batch = prompt_mask.shape[0]
         stop = torch.tensor(params.stop_token_ids or [-1], device=logits.device)
         done = torch.zeros(batch, dtype=torch.bool, device=logits.device)
         tokens_out = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=logits.device)
@@ -212,9 +254,7 @@ class HFEngine:
                 steps = step + 1
                 break
             last_pos = last_pos + 1
-            out = self.model(input_ids=tokens[:, None], attention_mask=mask[:, :width + step + 1],
-                             position_ids=last_pos[:, None], use_cache=True, **{self._cache_kw: cache})
-            logits = out.logits[:, -1, :]
+            logits = step_fn(tokens, last_pos, step)
         return tokens_out[:, :steps].cpu(), logprobs_out[:, :steps].cpu()
 
     def _collect(self, tokens, logprobs, num_prompts, params) -> list[list[GenerationOutput]]:

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from tamer.rollout.engine import cache_keyword
+from tamer.rollout.fast_forward import FastDecoder
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -103,9 +104,15 @@ def token_logprobs(
 
     Logits are divided by the sampling temperature, as the sampler did (MATH.md), and the
     log-softmax is taken as logit - logsumexp to avoid materialising a (B, T, V) log-softmax.
+    Llama/Qwen2-family models run `FastDecoder.forward` (the same maths, fewer ops); others
+    the HF forward.
     """
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+    fast = FastDecoder.for_model(model)
+    if fast is not None:
+        logits = fast.forward(input_ids, attention_mask, positions)[0]
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
     logits = logits[:, :-1].float()
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
@@ -142,13 +149,18 @@ def shared_prefix_logprobs(
     prompt_mask = (cols[None, :] >= shift).long()  # (U, P)
     prompt_ids = input_ids[first].gather(1, src) * prompt_mask
     prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    kw = cache_keyword(model)
-    cache = DynamicCache()
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_pos, use_cache=True,
-                logits_to_keep=1, **{kw: cache})
-    first_logits = out.logits[:, -1][inverse]  # (B, V): predicts each row's first completion token
-    for layer in cache.layers:  # the prompt's KV, one copy per row (differentiable indexing)
-        layer.keys, layer.values = layer.keys[inverse], layer.values[inverse]
+    fast = FastDecoder.for_model(model)
+    if fast is not None:
+        out_logits, kvs = fast.forward(prompt_ids, prompt_mask, prompt_pos, return_kv=True, last_only=True)
+        past = [(k[inverse], v[inverse]) for k, v in kvs]  # the prompt's KV, one copy per row
+    else:
+        kw = cache_keyword(model)
+        cache = DynamicCache()
+        out_logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_pos, use_cache=True,
+                           logits_to_keep=1, **{kw: cache}).logits
+        for layer in cache.layers:  # the prompt's KV, one copy per row (differentiable indexing)
+            layer.keys, layer.values = layer.keys[inverse], layer.values[inverse]
+    first_logits = out_logits[:, -1][inverse]  # (B, V): predicts each row's first completion token
     # Completions, right-padded from column 0.
     lengths = attention_mask.sum(-1)
     comp_len = lengths - plen  # (B,)
@@ -159,8 +171,11 @@ def shared_prefix_logprobs(
     comp_ids = input_ids.gather(1, comp_src) * comp_mask
     mask = torch.cat([prompt_mask[inverse], comp_mask], dim=1)
     positions = plen[:, None] + ccols[None, :]
-    logits = model(input_ids=comp_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                   **{kw: cache}).logits  # (B, C, V)
+    if fast is not None:
+        logits = fast.forward(comp_ids, mask, positions, past=past)[0]  # (B, C, V)
+    else:
+        logits = model(input_ids=comp_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                       **{kw: cache}).logits
     logits = torch.cat([first_logits[:, None], logits[:, :-1]], dim=1).float()  # position c predicts token c
     if temperature not in (0.0, 1.0):
         logits = logits / temperature

@@ -1,0 +1,143 @@
+"""FastDecoder (rollout/fast_forward.py) computes what the HF forward computes, or is not used."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from tamer.models import TinyModelConfig, build_tiny_model
+from tamer.rollout.engine import HFEngine, _left_pad, preallocate
+from tamer.rollout.fast_forward import FastDecoder, unsupported_reason
+from tamer.rollout.types import SamplingParams
+from tamer.trainers.common import shared_prefix_logprobs, token_logprobs
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24]]
+
+
+def _model(tokenizer, arch, **overrides):
+    config = dict(arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                  tie_word_embeddings=arch == "qwen2")
+    config.update(overrides)
+    return build_tiny_model(tokenizer, TinyModelConfig(**config)).eval()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_prefill_and_decode_logits_equal_hf(tokenizer, arch):
+    model = _model(tokenizer, arch)
+    assert unsupported_reason(model) is None
+    fast = FastDecoder.for_model(model)
+    ids, mask = _left_pad(PROMPTS, tokenizer.pad_token_id)  # left padding of different widths
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    n, extra = 2, 6
+    with torch.inference_mode():
+        cache = DynamicCache()
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, cache=cache).logits[:, -1]
+        logits, kv = fast.prefill(ids, mask, positions, repeat=n, extra=extra)
+        torch.testing.assert_close(logits, ref.repeat_interleave(n, 0), atol=1e-5, rtol=1e-5)
+        cache.batch_repeat_interleave(n)
+        preallocate(cache, extra)
+        full = torch.ones(len(PROMPTS) * n, ids.shape[1] + extra, dtype=torch.long)
+        full[:, :ids.shape[1]] = mask.repeat_interleave(n, 0)
+        last = positions[:, -1].repeat_interleave(n, 0)
+        generator = torch.Generator().manual_seed(0)
+        for step in range(extra - 1):
+            tokens = torch.randint(0, len(tokenizer), (len(last),), generator=generator)
+            last = last + 1
+            ref = model(input_ids=tokens[:, None], attention_mask=full[:, :ids.shape[1] + step + 1],
+                        position_ids=last[:, None], use_cache=True, cache=cache).logits[:, -1]
+            torch.testing.assert_close(fast.decode(tokens, last, kv, full.bool()), ref, atol=1e-5, rtol=1e-5)
+        for ours, theirs in zip(kv.layers, cache.layers):  # what the prefix store keeps
+            torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_same_seed_same_tokens_as_hf_path(tokenizer, arch, temperature):
+    model = _model(tokenizer, arch)
+    params = SamplingParams(n=3, temperature=temperature, max_new_tokens=12, seed=4)
+    fast, plain = HFEngine(model, tokenizer.pad_token_id), HFEngine(model, tokenizer.pad_token_id, fast=False)
+    assert fast.fast is not None and plain.fast is None
+    ours, theirs = fast.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    for group_a, group_b in zip(ours, theirs):
+        for a, b in zip(group_a, group_b):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
+
+
+def test_snapshot_follows_weight_updates(tokenizer):
+    """Fused weights are a snapshot; an optimizer step (in place) must be seen by the next generate."""
+    model = _model(tokenizer, "qwen2")
+    engine, plain = HFEngine(model, tokenizer.pad_token_id), HFEngine(model, tokenizer.pad_token_id, fast=False)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=1)
+    engine.generate(PROMPTS, params)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, fused=True)
+    model(input_ids=torch.tensor([PROMPTS[0]])).logits.sum().backward()
+    optimizer.step()
+    engine.sync_weights(model)
+    a, b = engine.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    assert [o.token_ids for g in a for o in g] == [o.token_ids for g in b for o in g]
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(3.0)  # in place, no sync_weights
+    a, b = engine.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    torch.testing.assert_close(torch.tensor([o.logprobs for g in a for o in g]),
+                               torch.tensor([o.logprobs for g in b for o in g]), atol=1e-5, rtol=1e-5)
+
+
+def _hf_only(monkeypatch):
+    monkeypatch.setattr(FastDecoder, "for_model", classmethod(lambda cls, model: None))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_learner_logprobs_and_gradients_equal_hf(tokenizer, arch, monkeypatch):
+    model = _model(tokenizer, arch).train()
+    prompt = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    rows = [prompt[0] + [30, 31, 32], prompt[0] + [33, 34], prompt[1] + [40, 41, 42, 43], prompt[1] + [44]]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    plen, index = torch.tensor([4, 4, 6, 6]), torch.tensor([0, 0, 1, 1])
+
+    def run():
+        out = []
+        for fn in (lambda: token_logprobs(model, ids, mask, 0.7),
+                   lambda: shared_prefix_logprobs(model, ids, mask, plen, index, 0.7)):
+            model.zero_grad()
+            lp = fn()
+            (lp * mask).sum().backward()
+            out.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
+        return out
+
+    fast = run()
+    _hf_only(monkeypatch)
+    hf = run()
+    for (lp_a, grads_a), (lp_b, grads_b) in zip(fast, hf):
+        valid = mask.bool()
+        torch.testing.assert_close(lp_a[valid], lp_b[valid], atol=1e-5, rtol=1e-5)
+        for ga, gb in zip(grads_a, grads_b):
+            torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("change", ["rope_scaling", "sliding_window", "activation", "dropout", "mlp_bias"])
+def test_unsupported_config_falls_back_to_hf(tokenizer, change):
+    model = _model(tokenizer, "llama" if change == "mlp_bias" else "qwen2")
+    config = model.config
+    if change == "rope_scaling":
+        config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    elif change == "sliding_window":
+        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+        config.sliding_window = 4
+        model.model.has_sliding_layers = True
+        for layer in model.model.layers:
+            layer.self_attn.sliding_window = 4
+    elif change == "activation":
+        config.hidden_act = "gelu"
+    elif change == "dropout":
+        config.attention_dropout = 0.1
+    else:
+        config.mlp_bias = True
+        model.model.layers[0].mlp.up_proj.bias = torch.nn.Parameter(torch.zeros(config.intermediate_size))
+    assert unsupported_reason(model) is not None and FastDecoder.for_model(model) is None
+    engine = HFEngine(model, tokenizer.pad_token_id)
+    assert engine.fast is None
+    out = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=3))
+    assert len(out[0][0].token_ids) == 3
