@@ -90,3 +90,15 @@ def test_micro_batches_respect_token_budget_and_keep_rows(tokenizer, tiny_model)
     assert sum(len(m) for m in micro) == len(batch)
     assert sum(m.num_tokens for m in micro) == batch.num_tokens
     assert all(m.input_ids.numel() <= 100 or len(m) == 1 for m in micro)
+
+
+def test_inverse_cdf_sampler_matches_the_distribution():
+    """The sampler's one-uniform-per-row draw: right frequencies, never a zero-probability token."""
+    from tamer.rollout.engine import _inverse_cdf_sample
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(1, 40, generator=generator) * 2, -1)
+    probs[0, ::3] = 0.0
+    tokens = _inverse_cdf_sample(probs.repeat(200_000, 1), generator)
+    freq = torch.bincount(tokens, minlength=40).float() / len(tokens)
+    assert freq[::3].sum() == 0
+    torch.testing.assert_close(freq, probs[0] / probs[0].sum(), atol=3e-3, rtol=0)

