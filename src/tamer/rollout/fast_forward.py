@@ -204,14 +204,17 @@ class FastDecoder:
 
     # ------------------------------------------------------------------ learner (differentiable)
     def _live_layers(self) -> list[tuple]:
-        """The layers' weights as in `_snapshot`, but read from the live parameters (gradients flow)."""
+        """The layers' live parameters (gradients flow), unfused: (q, k, v) and (gate, up) as tuples.
+
+        The learner runs two large forwards per step, so a fused copy saves little there and its
+        torch.cat (and the split in backward) would cost a copy of the weights every forward.
+        """
         out = []
         for layer in self.model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv_b = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
-            out.append((layer.input_layernorm.weight, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                        qkv_b, a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
-                        torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
+            out.append((layer.input_layernorm.weight, (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                        (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias), a.o_proj.weight, a.o_proj.bias,
+                        layer.post_attention_layernorm.weight, (m.gate_proj.weight, m.up_proj.weight), m.down_proj.weight))
         return out
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *, past: list | None = None,
@@ -254,10 +257,14 @@ class FastDecoder:
         kvs = []
         for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gu_w, down_w) in enumerate(weights):
             h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps[i][0])
-            qkv = F.linear(h, qkv_w, qkv_b).view(batch, seq, heads + 2 * kv, d)
-            qk = self._rope(qkv[:, :, :heads + kv], cs)
-            q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
-            v = qkv[:, :, heads + kv:].transpose(1, 2)
+            if isinstance(qkv_w, tuple):  # live, unfused weights (learner)
+                q, k, v = (F.linear(h, w, b).view(batch, seq, -1, d) for w, b in zip(qkv_w, qkv_b))
+                q, k, v = self._rope(q, cs).transpose(1, 2), self._rope(k, cs).transpose(1, 2), v.transpose(1, 2)
+            else:
+                qkv = F.linear(h, qkv_w, qkv_b).view(batch, seq, heads + 2 * kv, d)
+                qk = self._rope(qkv[:, :, :heads + kv], cs)
+                q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
+                v = qkv[:, :, heads + kv:].transpose(1, 2)
             if past is not None:
                 k = torch.cat([past[i][0].to(k.dtype), k], dim=2)
                 v = torch.cat([past[i][1].to(v.dtype), v], dim=2)
@@ -273,7 +280,7 @@ class FastDecoder:
                                                   enable_gqa=heads != kv)
             x = x + F.linear(attn.transpose(1, 2).reshape(batch, seq, heads * d), o_w, o_b)
             h = F.rms_norm(x, (x.shape[-1],), ln2, self.eps[i][1])
-            gate, up = F.linear(h, gu_w).chunk(2, dim=-1)
+            gate, up = (F.linear(h, w) for w in gu_w) if isinstance(gu_w, tuple) else F.linear(h, gu_w).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, down_w)
         return x, kvs
 
