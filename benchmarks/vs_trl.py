@@ -153,7 +153,8 @@ def run_tamer(spec: dict) -> dict:
     rates = matmul_gflops(spec["precision"], shapes) if not spec["eval_every"] else [float("nan")] * 2
     return summarize(spec, seconds, generated, phases, model_params=params, curve=curve,
                      achieved_gflops=achieved, matmul_gflops_1024=rates[0], matmul_gflops_model_shape=rates[1],
-                     model_matmul_shape=list(shapes[1]), threads=torch.get_num_threads())
+                     model_matmul_shape=list(shapes[1]), threads=torch.get_num_threads(),
+                     fast_forward=getattr(trainer.engine, "fast", None) is not None)
 
 
 class _InOrder:
@@ -301,6 +302,7 @@ def speed_row(size: str, spec: dict, tamer: dict, trl: dict) -> dict:
         "steps_timed": spec["total_steps"] - spec["warmup"], "threads": tamer["threads"],
         "tamer_s_per_step": round(tamer["s_per_step"], 4), "trl_s_per_step": round(trl["s_per_step"], 4),
         "ratio": round(tamer["s_per_step"] / trl["s_per_step"], 3),
+        "tamer_fast_forward": tamer.get("fast_forward"),
         "tamer_gen_tokens_per_s": round(tamer["gen_tokens_per_s"], 1), "trl_gen_tokens_per_s": round(trl["gen_tokens_per_s"], 1),
         "tamer_generated_tokens_per_step": tamer["generated_tokens_per_step"],
         "trl_generated_tokens_per_step": trl["generated_tokens_per_step"],

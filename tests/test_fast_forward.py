@@ -52,10 +52,13 @@ def test_prefill_and_decode_logits_equal_hf(tokenizer, arch):
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_same_seed_same_tokens_as_hf_path(tokenizer, arch, temperature):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_same_seed_same_tokens_as_hf_path(tokenizer, arch, temperature, precision):
+    """Also under bf16 autocast: the residual stream stays float32 as in HF (no bf16 addmm)."""
     model = _model(tokenizer, arch)
     params = SamplingParams(n=3, temperature=temperature, max_new_tokens=12, seed=4)
-    fast, plain = HFEngine(model, tokenizer.pad_token_id), HFEngine(model, tokenizer.pad_token_id, fast=False)
+    fast = HFEngine(model, tokenizer.pad_token_id, precision=precision)
+    plain = HFEngine(model, tokenizer.pad_token_id, fast=False, precision=precision)
     assert fast.fast is not None and plain.fast is None
     ours, theirs = fast.generate(PROMPTS, params), plain.generate(PROMPTS, params)
     for group_a, group_b in zip(ours, theirs):

@@ -319,6 +319,9 @@ class FastDecoder:
         cs = self._rope_tables(positions, tokens.device, size=0)  # prefill sized the table
         mask = key_mask[:, None, None, :end]  # (B, 1, 1, T): shared by every head
         x = F.embedding(tokens, self.embed)  # (B, hidden)
+        # Residual adds fused into the matmuls (addmm: x + a @ W.T), except under autocast, which
+        # would run addmm in bf16 and so turn the float32 residual stream into bf16 (HF keeps it fp32).
+        fuse = not torch.is_autocast_enabled(x.device.type)
         for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gu_w, down_w) in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps[i][0])
             qkv = F.linear(h, qkv_w, qkv_b).view(batch, heads + 2 * kv, d)
@@ -330,10 +333,10 @@ class FastDecoder:
             q = qk[:, :heads].reshape(batch, kv, group, d)
             attn = F.scaled_dot_product_attention(q, kb[:, :, :end], vb[:, :, :end], attn_mask=mask, scale=self.scaling)
             attn = attn.reshape(batch, heads * d)
-            # Residual adds fused into the matmuls (addmm: x + a @ W.T).
-            x = torch.addmm(x, attn, o_w.t()) if o_b is None else x + F.linear(attn, o_w, o_b)
+            x = torch.addmm(x, attn, o_w.t()) if fuse and o_b is None else x + F.linear(attn, o_w, o_b)
             h = F.rms_norm(x, (x.shape[-1],), ln2, self.eps[i][1])
             gate, up = F.linear(h, gu_w).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, down_w.t())
+            act = F.silu(gate) * up
+            x = torch.addmm(x, act, down_w.t()) if fuse else x + F.linear(act, down_w)
         cache.length = end
         return F.linear(F.rms_norm(x, (x.shape[-1],), self.norm, self.final_eps), self.head)
