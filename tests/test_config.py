@@ -53,3 +53,8 @@ def test_setting_one_field_keeps_the_root_defaults_of_its_section():
     cfg = load_config(RunConfig, overrides=["rl.steps=5", "sft.batch_size=4"])
     assert cfg.rl.steps == 5 and cfg.rl.optim == base.rl.optim and cfg.rl.eval_every == base.rl.eval_every
     assert cfg.sft.batch_size == 4 and cfg.sft.optim == base.sft.optim and cfg.sft.steps == base.sft.steps
+
+
+def test_mapping_fields_are_replaced_not_merged_with_defaults():
+    cfg = load_config(RunConfig, overrides=["reward.weights={mine: 1.0}"])
+    assert cfg.reward.weights == {"mine": 1.0}

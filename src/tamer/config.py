@@ -156,6 +156,21 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
     data = merge(merge(parse_overrides(preset or []), data), parse_overrides(overrides or []))
-    # Start from the root's own defaults, so that setting one field of a section keeps the
-    # root's defaults for its other fields (RunConfig's rl.optim.lr, not RLConfig's).
-    return from_dict(cls, merge(to_dict(cls()), data))
+    return from_dict(cls, with_defaults(cls(), data))
+
+
+def with_defaults(default: Any, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` laid over the fields of the config instance `default`, section by section.
+
+    Setting one field of a section keeps the root's defaults for its other fields
+    (RunConfig's `rl.optim.lr`, not RLConfig's class default). Only config sections merge:
+    a mapping-valued field (`reward.weights`) is replaced as a whole.
+    """
+    out: dict[str, Any] = {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
+    for key, value in data.items():
+        current = out.get(key)
+        if dataclasses.is_dataclass(current) and isinstance(value, dict):
+            out[key] = with_defaults(current, value)
+        else:
+            out[key] = value
+    return out
