@@ -97,10 +97,12 @@ DEMO_PRESETS: dict[str, list[str]] = {
     ],
     "trip_planner": [
         "task.name=trip_planner", "output_dir=runs/demo-trip_planner", "task.trip_planner.world.train_size=2000",
-        "model.tokenizer=bpe", "agent.show_tools=false", "agent.max_turns=8", "agent.max_total_tokens=512",
-        "sft.steps=400", "sft.batch_size=16",
-        "rl.steps=30", "rl.prompts_per_step=8", "rl.group_size=8", "rl.max_new_tokens=40", "rl.eval_every=10",
-        "eval.size=300", "eval.max_new_tokens=40",
+        "task.trip_planner.demo_hasty_rate=0.5",
+        "model.tokenizer=bpe", "agent.show_tools=false", "agent.max_turns=8", "agent.max_total_tokens=640",
+        "sft.steps=600", "sft.batch_size=16",
+        # T=0.7: at T=1.0 a 1M model's 300-token episodes break (malformed calls) far more often than greedy
+        "rl.steps=20", "rl.prompts_per_step=8", "rl.group_size=8", "rl.temperature=0.7", "rl.max_new_tokens=80",
+        "rl.eval_every=20", "eval.size=200", "eval.max_new_tokens=80",
         "reward.weights={correctness: 1.0, cost: 2.0, steps: 1.0}",
         "reward.params={steps: {per_call: 0.1, free_calls: 4}}",
     ],
