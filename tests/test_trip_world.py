@@ -286,3 +286,14 @@ def test_plan_note_reasons_from_what_the_tools_showed(worlds):
         assert span + ("busy" if w.conflicts(f) else f"ok {f.price}") in note
     hotel = min(w.hotels, key=lambda h: h.night)
     assert note.endswith(f"; {hotel.id} {hotel.night * w.nights}</think>")
+
+
+def test_demonstrator_turns_carry_the_plan_note_only_when_asked():
+    from tamer.tasks.trip_planner import TripPlannerConfig, TripPlannerTasks
+
+    plain, thinking = TripPlannerTasks(), TripPlannerTasks(TripPlannerConfig(demo_think=True))
+    task = plain.split()[0][0]
+    assert not any("<think>" in t for t in plain.demonstrate_turns(task, random.Random(0)))
+    turns = thinking.demonstrate_turns(task, random.Random(0))
+    assert turns[-1].startswith("<think>") and '"name":"book"' in turns[-1]
+    assert not any("<think>" in t for t in turns[:-1])
