@@ -97,7 +97,6 @@ DEMO_PRESETS: dict[str, list[str]] = {
     ],
     "trip_planner": [
         "task.name=trip_planner", "output_dir=runs/demo-trip_planner", "task.trip_planner.world.train_size=2000",
-        "task.trip_planner.demo_hasty_rate=0.5",
         "model.tokenizer=bpe", "agent.show_tools=false", "agent.max_turns=8", "agent.max_total_tokens=640",
         "sft.steps=600", "sft.batch_size=16",
         # T=0.7: at T=1.0 a 1M model's 300-token episodes break (malformed calls) far more often than greedy

@@ -69,8 +69,9 @@ class TripPlannerConfig:
     demo_pricier_rate: float = 0.3  # chance of booking a valid but pricier plan
     demo_hasty_rate: float = 0.0  # chance of first trying the cheapest flight when it hits a busy day
     # Write the plan (each flight's stay, busy or free; cheapest hotel) before booking. Off by
-    # default: with it, the 1M-parameter demo model (600 SFT steps) never learned to copy the
-    # city names into its first call (held-out success 0.00, against 0.45 without).
+    # default: trained on notes (and demo_hasty_rate=0.5), the 1M-parameter demo model never
+    # learned to copy the city names into its first call (held-out success 0.00, against 0.45
+    # without either).
     demo_think: bool = False
 
     def __post_init__(self) -> None:
