@@ -196,17 +196,16 @@ class HFEngine:
             if hits and all(hit is not None for hit in hits):
                 # Multi-turn: only the tokens after each sequence's cached part are prefilled.
                 cache, ids, mask, positions = self.prefix_store.assemble(prompts, hits, self.pad_token_id, device)
-                self.prefix_store.note_hits(prompts, hits)
+                self.prefix_store.note_hits(hits)
             else:
                 ids, mask = _left_pad(prompts, self.pad_token_id)
                 ids, mask = ids.to(device), mask.to(device)
                 cache, positions = DynamicCache(), (mask.cumsum(-1) - 1).clamp(min=0)
-            if self.fast is not None:
-                cache, logits, step_fn = self._fast_prefill(cache, ids, mask, positions, params)
-            else:
-                cache, logits, step_fn = self._hf_prefill(cache, ids, mask, positions, params)
+            row_mask = mask.repeat_interleave(params.n, dim=0) if params.n > 1 else mask  # one row per sample
+            prefill = self._fast_prefill if self.fast is not None else self._hf_prefill
+            cache, logits, step_fn = prefill(cache, ids, mask, row_mask, positions, params)
+            mask = row_mask
             if params.n > 1:
-                mask = mask.repeat_interleave(params.n, dim=0)
                 positions = positions.repeat_interleave(params.n, dim=0)
             tokens, logprobs = self._decode(logits, step_fn, mask, positions[:, -1], params, generator)
         self.model.train(was_training)
@@ -216,7 +215,7 @@ class HFEngine:
             entries.extend(PrefixStore.extract(cache, prompts, mask, tokens, lengths, params.n))
         return outputs
 
-    def _hf_prefill(self, cache: DynamicCache, ids, mask, positions, params):
+    def _hf_prefill(self, cache: DynamicCache, ids, mask, row_mask, positions, params):
         """Prefill each distinct prompt once with the HF forward, then copy its cache for the n samples."""
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                          use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
@@ -226,7 +225,7 @@ class HFEngine:
             logits = logits.repeat_interleave(params.n, dim=0)
         preallocate(cache, params.max_new_tokens)
         full = torch.ones(logits.shape[0], mask.shape[1] + params.max_new_tokens, dtype=mask.dtype, device=mask.device)
-        full[:, :mask.shape[1]] = mask.repeat_interleave(params.n, dim=0) if params.n > 1 else mask
+        full[:, :mask.shape[1]] = row_mask
         width = mask.shape[1]
 
         def step(tokens, pos, k):  # k-th fed token: attends to the first width + k + 1 columns
@@ -234,12 +233,12 @@ class HFEngine:
                               position_ids=pos[:, None], use_cache=True, **{self._cache_kw: cache}).logits[:, -1, :]
         return cache, logits, step
 
-    def _fast_prefill(self, cache: DynamicCache, ids, mask, positions, params):
+    def _fast_prefill(self, cache: DynamicCache, ids, mask, row_mask, positions, params):
         """The same with `FastDecoder`: KV buffers for prompt + completion, the prompt's rows repeated n times."""
         past = [(layer.keys, layer.values) for layer in cache.layers] if cache.layers else None
         logits, kv = self.fast.prefill(ids, mask, positions, past=past, repeat=params.n, extra=params.max_new_tokens)
         key_mask = torch.ones(logits.shape[0], mask.shape[1] + params.max_new_tokens, dtype=torch.bool, device=mask.device)
-        key_mask[:, :mask.shape[1]] = (mask.repeat_interleave(params.n, dim=0) if params.n > 1 else mask).bool()
+        key_mask[:, :mask.shape[1]] = row_mask.bool()
 
         def step(tokens, pos, k):
             return self.fast.decode(tokens, pos, kv, key_mask)

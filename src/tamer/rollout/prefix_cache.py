@@ -69,7 +69,7 @@ class PrefixStore:
                 return entry
         return None
 
-    def note_hits(self, prompts: list[list[int]], hits: list[PrefixEntry]) -> None:
+    def note_hits(self, hits: list[PrefixEntry]) -> None:
         self.hits += len(hits)
         self.reused_tokens += sum(len(h.tokens) for h in hits)
 
