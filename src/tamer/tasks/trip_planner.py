@@ -6,9 +6,10 @@ cheapest valid trip.") and four tools: `search_flights`, `search_hotels`,
 the agent stops calling tools. The verifiable best plan is known for every world, so the
 outcome is scored as: valid booking made, cost over the optimum, tool calls, errors.
 
-The scripted demonstrator is correct but wasteful: it repeats searches, checks the
-calendar twice or day by day, sometimes books a valid but pricier plan, and (with
-`demo_hasty_rate`) sometimes first tries the cheapest flight though it hits a busy day.
+The scripted demonstrator is correct but wasteful: it checks the flights' days one by one,
+cheapest first, until one is free, and at times repeats a search or a check, checks every
+flight, or books a valid but pricier plan; with `demo_hasty_rate` it sometimes first tries
+the cheapest flight though it hits a busy day.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tamer.tasks.base import TASK_SOURCES, Task
 from tamer.tasks.env import ENVIRONMENTS, StepResult
 from tamer.tasks.tool_env import ToolEnvConfig, ToolEnvironment
 from tamer.tasks.trip_world import (
-    TripTools, TripWorldConfig, World, demonstrator_calls, generate_world, plan_note, score_booking, split, task_prompt,
+    TripTools, TripWorldConfig, World, demonstrator_calls, generate_world, score_booking, split, task_prompt,
     to_json, world_id,
 )
 from tamer.tools.schema import ToolSet
@@ -68,11 +69,6 @@ class TripPlannerConfig:
     demo_waste_rate: float = 0.5  # chance of redundant calls
     demo_pricier_rate: float = 0.3  # chance of booking a valid but pricier plan
     demo_hasty_rate: float = 0.0  # chance of first trying the cheapest flight when it hits a busy day
-    # Write the plan (each flight's stay, busy or free; cheapest hotel) before booking. Off by
-    # default: trained on notes (and demo_hasty_rate=0.5), the 1M-parameter demo model never
-    # learned to copy the city names into its first call (held-out success 0.00, against 0.45
-    # without either).
-    demo_think: bool = False
 
     def __post_init__(self) -> None:
         for name in ("demo_waste_rate", "demo_pricier_rate", "demo_hasty_rate"):
@@ -102,10 +98,7 @@ class TripPlannerTasks:
         calls = demonstrator_calls(World.from_dict(task.meta["world"]), rng,
                                    waste_rate=self.config.demo_waste_rate, pricier_rate=self.config.demo_pricier_rate,
                                    hasty_rate=self.config.demo_hasty_rate)
-        turns = [format_call(name, args) for name, args in calls]
-        if self.config.demo_think:  # the final, successful booking is preceded by its reasoning
-            turns[-1] = plan_note(World.from_dict(task.meta["world"])) + turns[-1]
-        return turns
+        return [format_call(name, args) for name, args in calls]
 
     def demonstrate(self, task: Task, rng: random.Random) -> str:
         return "".join(self.demonstrate_turns(task, rng))

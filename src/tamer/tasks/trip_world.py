@@ -7,19 +7,22 @@ sees only the prompt and learns the rest by calling tools:
     world = generate_world(random.Random(0), TripWorldConfig())
     task_prompt(world)   # 'Trip LON>ROM, leave day 4-6, 3 nights, budget 900. Book the cheapest valid trip.'
     tools = TripTools(world)
-    tools.search_flights("LON", "ROM")   # [{"id":"F1","day":5,"price":210}, ...]
-    tools.search_hotels("ROM", 3)        # [{"id":"H1","price":240}, ...]  (price for all nights)
-    tools.check_calendar(4, 9)           # {"busy":[5]}
-    tools.book("F2", "H1")               # {"booked":"F2,H1","cost":450}, or ValueError
+    tools.search_flights("LON", "ROM")   # [{"id":"F2","day":5,"price":210}, ...] cheapest first
+    tools.search_hotels("ROM", 3)        # [{"id":"H3","price":240}, ...] (all nights) cheapest first
+    tools.check_calendar("F2")           # {"busy":[5]}: the busy days of the trip on F2
+    tools.book("F1", "H3")               # {"booked":"F1,H3","cost":450}, or ValueError
     score_booking(world, tools)          # success, cost, optimal_cost, cost_ratio, tool_calls, errors
 
-The trip occupies days `day..day+nights` inclusive (leave on `day`, travel home on
-`day+nights`); a busy day anywhere in that range is a conflict. Every text is short and
-regular (3-letter cities, days 1..14, ids F1.., H1..) because the agents are tiny
-character-level models. `book` refuses until both searches ran and the calendar was
-checked over the stay: the calendar is not in the prompt, so the fewest calls that can
-book the best plan is always `MIN_TOOL_CALLS` = 4, and "fewest calls" is verifiable.
-Worlds are generated so that exactly one valid plan is cheapest (`optimal_plan`).
+A trip on a flight occupies its day through `nights` days later (the day home), inclusive;
+a busy day anywhere in that range is a conflict. The calendar is not in the prompt:
+`check_calendar(flight)` shows the busy days of the trip on one flight, and `book`
+refuses a flight that was not checked. Searches list results cheapest first, as booking
+sites do, so the best plan is the first listed flight whose trip is free with the first
+listed hotel, and the fewest calls that find it and know it is best are both searches,
+a check of every flight up to that one, and the booking (`min_tool_calls`). Every text
+is short and regular (3-letter cities, days 1..14, ids F1.., H1..) because the agents
+are tiny models. Worlds are generated so that exactly one valid plan is cheapest
+(`optimal_plan`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 
 CITIES = ("AMS", "ATH", "BER", "DUB", "LIS", "LON", "MAD", "OSL", "PAR", "PRG", "ROM", "VIE")
 TOOL_NAMES = ("search_flights", "search_hotels", "check_calendar", "book")
-MIN_TOOL_CALLS = 4  # search flights, search hotels, check calendar, book: each is required once
+MIN_TOOL_CALLS = 4  # search flights, search hotels, check the booked flight, book: each is required once
 FLIGHT_PRICES = range(80, 400, 10)  # whole tens keep the numbers (and the sums) short
 HOTEL_NIGHT_PRICES = range(40, 160, 10)
 
@@ -107,8 +110,16 @@ class World:
     max_day: int = 14  # the calendar's last day
 
     def stay(self, flight: Flight) -> range:
-        """The days a trip on this flight occupies: leave day through home day."""
+        """The days a trip on this flight occupies: out day through back day."""
         return range(flight.day, flight.day + self.nights + 1)
+
+    def by_price(self) -> list[Flight]:
+        """The flights as a search lists them: cheapest first."""
+        return sorted(self.flights, key=lambda f: f.price)
+
+    def first_free(self) -> int:
+        """Index in `by_price()` of the cheapest flight whose trip hits no busy day."""
+        return next(i for i, f in enumerate(self.by_price()) if not self.conflicts(f))
 
     def conflicts(self, flight: Flight) -> list[int]:
         return [d for d in self.stay(flight) if d in self.busy]
@@ -159,7 +170,7 @@ def _draw_world(rng: random.Random, config: TripWorldConfig) -> World:
     nightly = rng.sample(HOTEL_NIGHT_PRICES, config.n_hotels)
     hotels = tuple(Hotel(f"H{i + 1}", p) for i, p in enumerate(nightly))
     # One busy day where a trip from the window can hit it, so checking the calendar matters;
-    # the rest anywhere, so a wide check shows days that do not matter too.
+    # the rest anywhere.
     busy = {rng.randint(first, last + nights)}
     while len(busy) < config.n_busy:
         busy.add(rng.randint(1, config.max_day))
@@ -246,7 +257,7 @@ class TripTools:
         self.errors = 0
         self.searched_flights = False
         self.searched_hotels = False
-        self.checked_days: set[int] = set()
+        self.checked_flights: set[str] = set()
         self.booking: tuple[str, str, int] | None = None  # (flight_id, hotel_id, cost)
 
     def functions(self) -> list[Callable[..., Any]]:
@@ -255,7 +266,7 @@ class TripTools:
 
     @_counted
     def search_flights(self, origin: str, dest: str) -> list[dict[str, Any]]:
-        """Search flights from one city to another.
+        """Search flights from one city to another, cheapest first.
 
         Args:
             origin: 3-letter code of the city to fly from, e.g. LON.
@@ -265,11 +276,11 @@ class TripTools:
         if (_city(origin), _city(dest)) != (w.origin, w.destination):
             raise ValueError(f"no flights {_city(origin)}>{_city(dest)}")
         self.searched_flights = True
-        return [{"id": f.id, "day": f.day, "price": f.price} for f in w.flights]
+        return [{"id": f.id, "day": f.day, "price": f.price} for f in w.by_price()]
 
     @_counted
     def search_hotels(self, city: str, nights: int) -> list[dict[str, Any]]:
-        """Search hotels in a city; each price is the total for the given number of nights.
+        """Search hotels in a city, cheapest first; each price is the total for the given number of nights.
 
         Args:
             city: 3-letter code of the city, e.g. ROM.
@@ -279,25 +290,24 @@ class TripTools:
             raise ValueError(f"no hotels in {_city(city)}")
         nights = _day(nights, "nights", self.world.max_day)
         self.searched_hotels = True
-        return [{"id": h.id, "price": nights * h.night} for h in self.world.hotels]
+        return [{"id": h.id, "price": nights * h.night} for h in sorted(self.world.hotels, key=lambda h: h.night)]
 
     @_counted
-    def check_calendar(self, start: int, end: int) -> dict[str, list[int]]:
-        """List the days the traveller is busy between two days, inclusive.
+    def check_calendar(self, flight: str) -> dict[str, list[int]]:
+        """List the days the traveller is busy during the trip on a flight (its day through the day home).
 
         Args:
-            start: First day to check.
-            end: Last day to check.
+            flight: Id of a flight from the search, e.g. F2.
         """
-        start, end = _day(start, "start", self.world.max_day), _day(end, "end", self.world.max_day)
-        if start > end:
-            raise ValueError(f"start {start} is after end {end}")
-        self.checked_days.update(range(start, end + 1))
-        return {"busy": [d for d in self.world.busy if start <= d <= end]}
+        if not self.searched_flights:
+            raise ValueError("search flights first")
+        f = self._flight(str(flight).strip().upper())
+        self.checked_flights.add(f.id)
+        return {"busy": self.world.conflicts(f)}
 
     @_counted
     def book(self, flight: str, hotel: str) -> dict[str, Any]:
-        """Book a flight and a hotel for the trip; the trip takes the flight day through the day home.
+        """Book a round-trip flight and a hotel; the trip takes the day out through the day back.
 
         Args:
             flight: Id of the flight, e.g. F2.
@@ -305,9 +315,8 @@ class TripTools:
         """
         f, h = self._booking_options(str(flight).strip().upper(), str(hotel).strip().upper())
         w = self.world
-        stay = w.stay(f)
-        if not set(stay) <= self.checked_days:
-            raise ValueError(f"check calendar days {stay[0]}-{stay[-1]} first")
+        if f.id not in self.checked_flights:
+            raise ValueError(f"check calendar for {f.id} first")
         if w.conflicts(f):
             raise ValueError(f"day {w.conflicts(f)[0]} busy")
         cost = w.cost(f, h)
@@ -324,12 +333,17 @@ class TripTools:
             raise ValueError("search flights first")
         if not self.searched_hotels:
             raise ValueError("search hotels first")
-        flights, hotels = {f.id: f for f in self.world.flights}, {h.id: h for h in self.world.hotels}
-        if flight_id not in flights:
-            raise ValueError(f"unknown flight {flight_id}")
+        hotels = {h.id: h for h in self.world.hotels}
+        flight = self._flight(flight_id)
         if hotel_id not in hotels:
             raise ValueError(f"unknown hotel {hotel_id}")
-        return flights[flight_id], hotels[hotel_id]
+        return flight, hotels[hotel_id]
+
+    def _flight(self, flight_id: str) -> Flight:
+        for f in self.world.flights:
+            if f.id == flight_id:
+                return f
+        raise ValueError(f"unknown flight {flight_id}")
 
     def call(self, name: str, arguments: dict[str, Any]) -> Any:
         """Run tool `name` with keyword `arguments` (raises ValueError on an unknown name)."""
@@ -355,67 +369,63 @@ def replay(world: World, calls: list[tuple[str, dict[str, Any]]]) -> tuple[TripT
 
 
 def _calendar_calls(world: World, rng: random.Random, waste_rate: float) -> list[tuple[str, dict]]:
-    """One check over every possible stay; when wasteful, per flight day or the same check twice."""
-    days = sorted({f.day for f in world.flights})
-    whole = ("check_calendar", {"start": days[0], "end": days[-1] + world.nights})
+    """Check the flights cheapest first until one is free; when wasteful, check every flight or one twice."""
+    ordered = [("check_calendar", {"flight": f.id}) for f in world.by_price()]
+    calls = ordered[: world.first_free() + 1]
     if rng.random() >= waste_rate:
-        return [whole]
-    if len(days) > 1 and rng.random() < 0.5:
-        return [("check_calendar", {"start": d, "end": d + world.nights}) for d in days]
-    return [whole, whole]
+        return calls
+    if len(calls) < len(ordered) and rng.random() < 0.5:
+        return ordered  # over-careful: every flight, though one was free
+    repeat = rng.randrange(len(calls))
+    return calls[: repeat + 1] + calls[repeat:]
 
 
 def demonstrator_calls(world: World, rng: random.Random, *, waste_rate: float = 0.5,
                        pricier_rate: float = 0.3, hasty_rate: float = 0.0) -> list[tuple[str, dict[str, Any]]]:
     """The scripted demonstrator's (tool, arguments) calls, ending with a `book` that always succeeds.
 
-    Correct but wasteful, like a careful person: with `waste_rate` it repeats a search or
-    checks the calendar twice or flight by flight, and with `pricier_rate` it books a valid
-    plan that is not the cheapest (when one exists within budget). With `hasty_rate`, when
-    the cheapest flight hits a busy day, it first tries to book that flight anyway, reads
-    the "day N busy" error and then books a valid plan: a wasted call and an error, and an
-    example of recovering from one.
+    Correct but wasteful, like a careful person: it checks the flights one by one, cheapest
+    first, until one is free; with `waste_rate` it repeats a search or a check, or checks
+    every flight; with `pricier_rate` it books a valid plan that is not the cheapest among
+    those whose days it checked (a pricier hotel, or a pricier free flight). With
+    `hasty_rate`, when the cheapest flight hits a busy day, it first tries to book that
+    flight anyway, reads the "day N busy" error and then books a valid plan: a wasted call
+    and an error, and an example of recovering from one.
     """
     flights = ("search_flights", {"origin": world.origin, "dest": world.destination})
     hotels = ("search_hotels", {"city": world.destination, "nights": world.nights})
     calls = [flights] * (2 if rng.random() < waste_rate / 2 else 1)
     calls += [hotels] * (2 if rng.random() < waste_rate / 2 else 1)
-    calls += _calendar_calls(world, rng, waste_rate)
-    plans = valid_plans(world)
+    checks = _calendar_calls(world, rng, waste_rate)
+    calls += checks
+    checked = {args["flight"] for _, args in checks}
+    plans = [p for p in valid_plans(world) if p[0] in checked]
     flight_id, hotel_id, _ = rng.choice(plans[1:]) if len(plans) > 1 and rng.random() < pricier_rate else plans[0]
-    cheapest_flight = min(world.flights, key=lambda f: f.price)
+    cheapest_flight = world.by_price()[0]
     if world.conflicts(cheapest_flight) and rng.random() < hasty_rate:
         cheapest_hotel = min(world.hotels, key=lambda h: h.night)
         calls.append(("book", {"flight": cheapest_flight.id, "hotel": cheapest_hotel.id}))
     return calls + [("book", {"flight": flight_id, "hotel": hotel_id})]
 
 
-def plan_note(world: World) -> str:
-    """The reasoning written before booking, from what the searches and the calendar showed.
-
-    Each flight's stay (leave day through home day), whether a busy day falls in it, the
-    price of those that are free, and the cheapest hotel, e.g.
-    `<think>F1 3-7 busy, F2 2-6 ok 80, F3 3-7 busy; H1 160</think>`. A tiny model cannot
-    hold all of this in one step; written out, each part is a short local computation.
-    """
-    flights = ", ".join(f"{f.id} {f.day}-{f.day + world.nights} " + ("busy" if world.conflicts(f) else f"ok {f.price}")
-                        for f in world.flights)
-    hotel = min(world.hotels, key=lambda h: h.night)
-    return f"<think>{flights}; {hotel.id} {hotel.night * world.nights}</think>"
+def min_tool_calls(world: World) -> int:
+    """The fewest calls that book the best plan knowing it is best: both searches, a check of
+    every flight from the cheapest up to the first free one, and the booking."""
+    return 2 + world.first_free() + 1 + 1
 
 
 def score_booking(world: World, tools: TripTools) -> dict[str, Any]:
     """Outcome facts for rewards: did a valid booking happen, at what cost, with how many calls and errors.
 
     `cost` and `cost_ratio` are None without a booking; `optimal` is True when the booked
-    plan is the cheapest valid one; `extra_calls` counts calls beyond `MIN_TOOL_CALLS`.
+    plan is the cheapest valid one; `extra_calls` counts calls beyond `min_tool_calls(world)`.
     """
     optimal_cost = optimal_plan(world)[2]
     cost = tools.booking[2] if tools.booking else None
     booked = cost is not None  # `book` only records valid plans
     return {"success": booked, "cost": float(cost) if booked else None, "optimal_cost": float(optimal_cost),
             "cost_ratio": cost / optimal_cost if booked else None, "optimal": cost == optimal_cost,
-            "tool_calls": len(tools.calls), "extra_calls": len(tools.calls) - MIN_TOOL_CALLS,
+            "tool_calls": len(tools.calls), "extra_calls": len(tools.calls) - min_tool_calls(world),
             "errors": tools.errors}
 
 
