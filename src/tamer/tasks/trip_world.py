@@ -7,10 +7,10 @@ sees only the prompt and learns the rest by calling tools:
     world = generate_world(random.Random(0), TripWorldConfig())
     task_prompt(world)   # 'Trip LON>ROM, leave day 4-6, 3 nights, budget 900. Book the cheapest valid trip.'
     tools = TripTools(world)
-    tools.search_flights("LON", "ROM")   # [{"id":"KL","day":5,"price":210}, ...] cheapest first
-    tools.search_hotels("ROM", 3)        # [{"id":"RITZ","price":240}, ...] (all nights) cheapest first
-    tools.check_calendar("KL")           # {"busy":[5]}: the busy days of the trip on flight KL
-    tools.book("LH", "RITZ")             # {"booked":"LH,RITZ","cost":450}, or ValueError
+    tools.search_flights("LON", "ROM")   # [{"id":"F2","day":5,"price":210}, ...] cheapest first
+    tools.search_hotels("ROM", 3)        # [{"id":"H3","price":240}, ...] (all nights) cheapest first
+    tools.check_calendar("F2")           # {"busy":[5]}: the busy days of the trip on F2
+    tools.book("F1", "H3")               # {"booked":"F1,H3","cost":450}, or ValueError
     score_booking(world, tools)          # success, cost, optimal_cost, cost_ratio, tool_calls, errors
 
 A trip on a flight occupies its day through `nights` days later (the day home), inclusive;
@@ -20,9 +20,8 @@ refuses a flight that was not checked. Searches list results cheapest first, as 
 sites do, so the best plan is the first listed flight whose trip is free with the first
 listed hotel, and the fewest calls that find it and know it is best are both searches,
 a check of every flight up to that one, and the booking (`min_tool_calls`). Every text
-is short and regular (3-letter cities, days 1..14, airline codes as flight ids, hotel
-names) because the agents are tiny models; ids are drawn per world, so an agent must copy
-the id it read rather than recall a usual one. Worlds are generated so that exactly one valid plan is cheapest
+is short and regular (3-letter cities, days 1..14, ids F1.., H1..) because the agents
+are tiny models. Worlds are generated so that exactly one valid plan is cheapest
 (`optimal_plan`).
 """
 
@@ -38,8 +37,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 CITIES = ("AMS", "ATH", "BER", "DUB", "LIS", "LON", "MAD", "OSL", "PAR", "PRG", "ROM", "VIE")
-AIRLINES = ("AZ", "BA", "IB", "KL", "LH", "OS", "SK", "TP")  # flight ids
-HOTEL_NAMES = ("ASTOR", "HILTON", "HYATT", "IBIS", "PLAZA", "REGENT", "RITZ", "SAVOY")  # hotel ids
 TOOL_NAMES = ("search_flights", "search_hotels", "check_calendar", "book")
 MIN_TOOL_CALLS = 4  # search flights, search hotels, check the booked flight, book: each is required once
 FLIGHT_PRICES = range(80, 400, 10)  # whole tens keep the numbers (and the sums) short
@@ -50,8 +47,8 @@ HOTEL_NIGHT_PRICES = range(40, 160, 10)
 class TripWorldConfig:
     """How worlds are generated, and how many go to the train and held-out splits."""
 
-    n_flights: int = 3  # options per flight search (ids: distinct airline codes)
-    n_hotels: int = 3  # options per hotel search (ids: distinct hotel names)
+    n_flights: int = 3  # options per flight search (ids F1..Fn)
+    n_hotels: int = 3  # options per hotel search (ids H1..Hn)
     max_day: int = 14  # days are 1..max_day; the whole trip fits inside
     min_nights: int = 2
     max_nights: int = 4
@@ -86,14 +83,14 @@ class TripWorldConfig:
 
 @dataclass(frozen=True)
 class Flight:
-    id: str  # an airline code, e.g. "KL"
+    id: str  # "F1"..
     day: int  # departure day
     price: int
 
 
 @dataclass(frozen=True)
 class Hotel:
-    id: str  # a hotel name, e.g. "RITZ"
+    id: str  # "H1"..
     night: int  # price per night; the search shows the total for the asked nights
 
 
@@ -169,10 +166,9 @@ def _draw_world(rng: random.Random, config: TripWorldConfig) -> World:
     first = rng.randint(1, config.max_day - config.window - nights + 1)
     last = first + config.window - 1
     prices = rng.sample(FLIGHT_PRICES, config.n_flights)  # distinct, so the cheapest plan is unique
-    flights = tuple(Flight(code, rng.randint(first, last), p)
-                    for code, p in zip(rng.sample(AIRLINES, config.n_flights), prices))
+    flights = tuple(Flight(f"F{i + 1}", rng.randint(first, last), p) for i, p in enumerate(prices))
     nightly = rng.sample(HOTEL_NIGHT_PRICES, config.n_hotels)
-    hotels = tuple(Hotel(name, p) for name, p in zip(rng.sample(HOTEL_NAMES, config.n_hotels), nightly))
+    hotels = tuple(Hotel(f"H{i + 1}", p) for i, p in enumerate(nightly))
     # One busy day where a trip from the window can hit it, so checking the calendar matters;
     # the rest anywhere.
     busy = {rng.randint(first, last + nights)}
@@ -301,7 +297,7 @@ class TripTools:
         """List the days the traveller is busy during the trip on a flight (its day through the day home).
 
         Args:
-            flight: Id of a flight from the search, e.g. KL.
+            flight: Id of a flight from the search, e.g. F2.
         """
         if not self.searched_flights:
             raise ValueError("search flights first")
@@ -314,8 +310,8 @@ class TripTools:
         """Book a round-trip flight and a hotel; the trip takes the day out through the day back.
 
         Args:
-            flight: Id of the flight, e.g. KL.
-            hotel: Id of the hotel, e.g. RITZ.
+            flight: Id of the flight, e.g. F2.
+            hotel: Id of the hotel, e.g. H1.
         """
         f, h = self._booking_options(str(flight).strip().upper(), str(hotel).strip().upper())
         w = self.world
