@@ -292,3 +292,11 @@ def test_hasty_demonstrator_recovers_from_a_busy_day(worlds):
         if trap:
             assert "busy" in observations[-2] and calls[-2][0] == "book"
     assert 20 < traps < 80
+
+
+def test_ids_follow_the_listed_order_only_when_asked():
+    ordered = [generate_world(random.Random(i), CONFIG) for i in range(40)]
+    shuffled = [generate_world(random.Random(i), replace(CONFIG, ordered_ids=False)) for i in range(40)]
+    assert all([f.id for f in w.by_price()] == ["F1", "F2", "F3"] for w in ordered)
+    assert all(min(w.hotels, key=lambda h: h.night).id == "H1" for w in ordered)
+    assert not all([f.id for f in w.by_price()] == ["F1", "F2", "F3"] for w in shuffled)
