@@ -7,10 +7,11 @@ sees only the prompt and learns the rest by calling tools:
     world = generate_world(random.Random(0), TripWorldConfig())
     task_prompt(world)   # 'Trip LON>ROM, leave day 4-6, 3 nights, budget 900. Book the cheapest valid trip.'
     tools = TripTools(world)
-    tools.search_flights("LON", "ROM")   # [{"id":"F2","day":5,"price":210}, ...] cheapest first
-    tools.search_hotels("ROM", 3)        # [{"id":"H3","price":240}, ...] (all nights) cheapest first
-    tools.check_calendar("F2")           # {"busy":[5]}: the busy days of the trip on F2
-    tools.book("F1", "H3")               # {"booked":"F1,H3","cost":450}, or ValueError
+    tools.search_flights("LON", "ROM")   # [{"id":"F1","day":5,"price":210}, {"id":"F2","day":4,"price":250}, ...]
+    tools.search_hotels("ROM", 3)        # [{"id":"H1","price":240}, ...] (all nights), cheapest first
+    tools.check_calendar("F1")           # {"busy":[5]}: the trip on F1 hits busy day 5
+    tools.check_calendar("F2")           # {"busy":[]}: free
+    tools.book("F2", "H1")               # {"booked":"F2,H1","cost":490}, or ValueError
     score_booking(world, tools)          # success, cost, optimal_cost, cost_ratio, tool_calls, errors
 
 A trip on a flight occupies its day through `nights` days later (the day home), inclusive;
@@ -57,9 +58,9 @@ class TripWorldConfig:
     trap_rate: float = 0.5  # share of worlds whose cheapest flight conflicts with the calendar
     # True: ids number the results in the order a search lists them (F1 is the cheapest flight,
     # H1 the cheapest hotel), as result pages number their options; False: ids are drawn
-    # independently of price, so an agent must copy the id of the entry it chose. The 1M-param
-    # demo model does not learn that copy in its SFT budget (held-out success 0.37 vs 0.0x with
-    # other id schemes measured; see README), so the demo uses numbered results.
+    # independently of price, so an agent must find and copy the id of the entry it chose.
+    # The 1M-parameter demo model did not learn that copy in its 600 SFT steps (held-out
+    # success 0.37 with F-ids drawn at random, 0.035 with airline codes; 0.99 numbered).
     ordered_ids: bool = True
     budget_slack: tuple[float, float] = (0.2, 0.6)  # budget = optimal cost * (1 + U(lo, hi))
     heldout_size: int = 300
