@@ -123,6 +123,7 @@ def run_tamer(spec: dict) -> dict:
     config = RLConfig(
         steps=spec["total_steps"], prompts_per_step=spec["prompts_per_step"], group_size=spec["group_size"],
         max_new_tokens=spec["max_new_tokens"], temperature=1.0, precision=spec["precision"], eval_every=0,
+        rollout_threads=spec.get("rollout_threads", 0),
         seed=spec["seed"], optim=OptimConfig(lr=spec["lr"], max_grad_norm=1.0),
         algorithm=AlgorithmConfig(kl_coef=spec["beta"], kl_estimator="k3", aggregation="token-mean"))
     trainer = RLTrainer(model, tokenizer, prompts, heldout, RewardComposer(RewardConfig(weights={"correctness": 1.0})),

@@ -1,5 +1,6 @@
 """Engine tier: sampling, logprobs, shared-prefix generation and the learner's token masks."""
 
+import pytest
 import torch
 
 from tamer.models import encode_chat, stop_token_ids
@@ -102,3 +103,28 @@ def test_inverse_cdf_sampler_matches_the_distribution():
     freq = torch.bincount(tokens, minlength=40).float() / len(tokens)
     assert freq[::3].sum() == 0
     torch.testing.assert_close(freq, probs[0] / probs[0].sum(), atol=3e-3, rtol=0)
+
+
+def test_decode_threads_change_nothing_but_speed(tokenizer, tiny_model):
+    """A one-thread decode samples the same tokens, and the process's thread count comes back."""
+    before = torch.get_num_threads()
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=7)
+    plain = HFEngine(tiny_model, tokenizer.pad_token_id).generate(_prompts(tokenizer, 2), params)
+    seen = []
+    engine = HFEngine(tiny_model, tokenizer.pad_token_id, threads=1)
+    original = engine._decode
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return original(*args, **kwargs)
+    engine._decode = spy
+    single = engine.generate(_prompts(tokenizer, 2), params)
+    assert seen == [1] and torch.get_num_threads() == before
+    for a, b in zip([o for g in plain for o in g], [o for g in single for o in g]):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
+
+
+def test_negative_decode_threads_are_refused(tokenizer, tiny_model):
+    with pytest.raises(ValueError, match="threads"):
+        HFEngine(tiny_model, tokenizer.pad_token_id, threads=-1)

@@ -13,7 +13,9 @@
 * on Llama/Qwen2-family models, run prefill and decode through `FastDecoder`
   (`rollout/fast_forward.py`: the same maths as the HF forward with plain torch ops, fused
   QKV and gate/up weights, precomputed RoPE tables, its own masks); any other model, or
-  `fast=False`, goes through the HF forward.
+  `fast=False`, goes through the HF forward,
+* decode with its own intra-op thread count (`threads`): a tiny model's decode step is a
+  few hundred microsecond-sized ops, where waking a second thread costs more than it saves.
 
 A vLLM engine on GPU plugs in behind the same `generate` call.
 """
@@ -55,6 +57,20 @@ def autocast(precision: str, device: torch.device | str = "cpu") -> contextlib.A
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int):
+    """torch's intra-op thread count set to `n` inside the block (0: unchanged), then restored."""
+    previous = torch.get_num_threads()
+    if n <= 0 or n == previous:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class _InPlaceLayer(DynamicLayer):
@@ -150,8 +166,11 @@ class HFEngine:
     """Batched sampling with a KV cache on a `transformers` model (CPU or GPU)."""
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, *, max_batch: int = 256,
-                 precision: str = "fp32", fast: bool = True) -> None:
+                 precision: str = "fp32", fast: bool = True, threads: int = 0) -> None:
         autocast(precision)  # validates the name
+        if threads < 0:
+            raise ValueError(f"threads: expected >= 0 (0 = the process's setting), got {threads}")
+        self.threads = threads
         self.pad_token_id = pad_token_id
         self.max_batch = max_batch
         self.precision = precision
@@ -176,10 +195,11 @@ class HFEngine:
         per_chunk = max(1, self.max_batch // params.n)
         outputs: list[list[GenerationOutput]] = []
         entries: list[PrefixEntry] | None = [] if params.reuse_prefix else None
-        if self.fast is not None:
-            self.fast.refresh()  # the current weights, fused (see FastDecoder.refresh)
-        for start in range(0, len(prompts), per_chunk):
-            outputs.extend(self._generate_chunk(prompts[start:start + per_chunk], params, generator, entries))
+        with intra_op_threads(self.threads):
+            if self.fast is not None:
+                self.fast.refresh()  # the current weights, fused (see FastDecoder.refresh)
+            for start in range(0, len(prompts), per_chunk):
+                outputs.extend(self._generate_chunk(prompts[start:start + per_chunk], params, generator, entries))
         self.prefix_store.replace(entries or [])
         return outputs
 

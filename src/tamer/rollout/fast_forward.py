@@ -317,11 +317,21 @@ class FastDecoder:
         heads, kv, d = self.num_heads, self.num_kv, self.head_dim
         group = heads // kv
         cs = self._rope_tables(positions, tokens.device, size=0)  # prefill sized the table
-        mask = key_mask[:, None, None, :end]  # (B, 1, 1, T): shared by every head
         x = F.embedding(tokens, self.embed)  # (B, hidden)
+        # Attention of one query per head, as two batched matmuls over (row, KV head) pairs with the
+        # `group` query heads of a KV head as that pair's rows (GQA without repeating keys). At decode
+        # sizes this is ~2.5x faster than scaled_dot_product_attention's CPU kernel (measured: 74 vs
+        # 217 us at B=32, 2 KV heads, D=32, 60 keys), whose blocking pays off only for long queries.
+        # The mask becomes an additive bias, built once per step and shared by every layer. Under
+        # autocast the matmuls would run in bf16 where HF's attention does not: SDPA there.
+        fuse = not torch.is_autocast_enabled(x.device.type)
+        if fuse:
+            bias = torch.zeros(batch, end, dtype=x.dtype, device=x.device).masked_fill_(~key_mask[:, :end], float("-inf"))
+            bias = bias[:, None, None, :].expand(batch, kv, group, end).reshape(batch * kv, group, end)
+        else:
+            mask = key_mask[:, None, None, :end]  # (B, 1, 1, T): shared by every head
         # Residual adds fused into the matmuls (addmm: x + a @ W.T), except under autocast, which
         # would run addmm in bf16 and so turn the float32 residual stream into bf16 (HF keeps it fp32).
-        fuse = not torch.is_autocast_enabled(x.device.type)
         for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gu_w, down_w) in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps[i][0])
             qkv = F.linear(h, qkv_w, qkv_b).view(batch, heads + 2 * kv, d)
@@ -329,9 +339,14 @@ class FastDecoder:
             kb, vb = cache.k[i], cache.v[i]
             kb[:, :, col] = qk[:, heads:]
             vb[:, :, col] = qkv[:, heads + kv:]
-            # GQA: the `group` query heads of a KV head are that head's queries (B, H_kv, group, D).
-            q = qk[:, :heads].reshape(batch, kv, group, d)
-            attn = F.scaled_dot_product_attention(q, kb[:, :, :end], vb[:, :, :end], attn_mask=mask, scale=self.scaling)
+            if fuse:
+                q = qk[:, :heads].reshape(batch * kv, group, d)
+                keys = kb[:, :, :end].reshape(batch * kv, end, d)  # views: B and H_kv merge without a copy
+                scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scaling)
+                attn = torch.bmm(scores.softmax(-1), vb[:, :, :end].reshape(batch * kv, end, d))
+            else:
+                q = qk[:, :heads].reshape(batch, kv, group, d)
+                attn = F.scaled_dot_product_attention(q, kb[:, :, :end], vb[:, :, :end], attn_mask=mask, scale=self.scaling)
             attn = attn.reshape(batch, heads * d)
             x = torch.addmm(x, attn, o_w.t()) if fuse and o_b is None else x + F.linear(attn, o_w, o_b)
             h = F.rms_norm(x, (x.shape[-1],), ln2, self.eps[i][1])

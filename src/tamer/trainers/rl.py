@@ -109,6 +109,7 @@ class RLConfig:
     recompute_old_logprobs: bool = False  # μ > 1: old logprobs from a learner forward, not the sampler
     precision: str = "fp32"  # fp32 | bf16 (autocast for sampler and learner; fp32 weights and optimizer)
     share_prompt_prefix: bool = True  # learner: forward each group's shared prompt once, not G times
+    rollout_threads: int = 0  # intra-op threads while generating; 0 = the process's setting
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)  # used when algorithm.advantage = gae
@@ -127,6 +128,8 @@ class RLConfig:
             raise ValueError("rl.group_size: group-relative advantages need at least 2 attempts per prompt")
         if self.mini_batches > self.prompts_per_step * self.group_size:
             raise ValueError("rl.mini_batches: more mini-batches than trajectories per step")
+        if self.rollout_threads < 0:
+            raise ValueError(f"rl.rollout_threads: expected >= 0 (0 = the process's setting), got {self.rollout_threads}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"rl.precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
@@ -163,7 +166,8 @@ class RLTrainer:
         self.heldout, self.rewards, self.eval_config = heldout_tasks, rewards, eval_config
         self.run_dir, self.tracker = Path(run_dir), tracker
         self.pool = TaskPool(train_tasks, seed=config.seed)
-        self.engine = engine or HFEngine(model, tokenizer.pad_token_id, precision=config.precision)
+        self.engine = engine or HFEngine(model, tokenizer.pad_token_id, precision=config.precision,
+                                        threads=config.rollout_threads)
         self.rollout = Rollout(self.engine, tokenizer, agent)
         self.stop_ids = stop_token_ids(tokenizer)
         self.optimizer = make_optimizer(model, config.optim)
