@@ -89,8 +89,11 @@ DEMO_PRESETS: dict[str, list[str]] = {
     "arithmetic": [],
     "calculator": [
         "task.name=calculator", "output_dir=runs/demo-calculator", "task.calculator.train_size=2000",
-        "agent.show_tools=false", "agent.max_turns=6", "agent.max_total_tokens=768",
-        "model.tiny.max_position_embeddings=2048", "sft.steps=400", "sft.batch_size=16",
+        # max_turns 8: 3 steps + 3 redundant calls + the answer (at 6 the demonstrator was cut off in 7%)
+        "agent.show_tools=false", "agent.max_turns=8", "agent.max_total_tokens=768",
+        # BPE, 900 steps: with the char tokenizer and 400 steps (loss 0.22) the agent had not learned
+        # to copy the prompt's numbers into its calls (held-out success 0.00)
+        "model.tokenizer=bpe", "model.tiny.max_position_embeddings=2048", "sft.steps=900", "sft.batch_size=16",
         "rl.steps=30", "rl.prompts_per_step=8", "rl.group_size=8", "rl.max_new_tokens=64", "rl.eval_every=10",
         "eval.size=300", "eval.max_new_tokens=64",
         "reward.weights={correctness: 1.0, steps: 1.0}", "reward.params={steps: {per_call: 0.05}}",
