@@ -14,8 +14,9 @@
   (`rollout/fast_forward.py`: the same maths as the HF forward with plain torch ops, fused
   QKV and gate/up weights, precomputed RoPE tables, its own masks); any other model, or
   `fast=False`, goes through the HF forward,
-* decode with its own intra-op thread count (`threads`): a tiny model's decode step is a
-  few hundred microsecond-sized ops, where waking a second thread costs more than it saves.
+* optionally decode with its own intra-op thread count (`threads`, default: the process's),
+  for hosts where rollouts share the CPU with other work (one thread measured slower than two
+  for a 1M model on an idle 2-core machine, so it is off by default).
 
 A vLLM engine on GPU plugs in behind the same `generate` call.
 """

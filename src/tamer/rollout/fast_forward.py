@@ -322,16 +322,15 @@ class FastDecoder:
         # `group` query heads of a KV head as that pair's rows (GQA without repeating keys). At decode
         # sizes this is ~2.5x faster than scaled_dot_product_attention's CPU kernel (measured: 74 vs
         # 217 us at B=32, 2 KV heads, D=32, 60 keys), whose blocking pays off only for long queries.
-        # The mask becomes an additive bias, built once per step and shared by every layer. Under
-        # autocast the matmuls would run in bf16 where HF's attention does not: SDPA there.
+        # The mask becomes an additive bias, built once per step and shared by every layer.
+        # `fuse` is off under autocast, which would run these matmuls (and the residual addmm
+        # below) in bf16 where HF's attention and float32 residual stream do not: SDPA there.
         fuse = not torch.is_autocast_enabled(x.device.type)
         if fuse:
             bias = torch.zeros(batch, end, dtype=x.dtype, device=x.device).masked_fill_(~key_mask[:, :end], float("-inf"))
             bias = bias[:, None, None, :].expand(batch, kv, group, end).reshape(batch * kv, group, end)
         else:
             mask = key_mask[:, None, None, :end]  # (B, 1, 1, T): shared by every head
-        # Residual adds fused into the matmuls (addmm: x + a @ W.T), except under autocast, which
-        # would run addmm in bf16 and so turn the float32 residual stream into bf16 (HF keeps it fp32).
         for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gu_w, down_w) in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps[i][0])
             qkv = F.linear(h, qkv_w, qkv_b).view(batch, heads + 2 * kv, d)
@@ -348,6 +347,7 @@ class FastDecoder:
                 q = qk[:, :heads].reshape(batch, kv, group, d)
                 attn = F.scaled_dot_product_attention(q, kb[:, :, :end], vb[:, :, :end], attn_mask=mask, scale=self.scaling)
             attn = attn.reshape(batch, heads * d)
+            # Residual adds fused into the matmuls (addmm: x + a @ W.T) when `fuse`.
             x = torch.addmm(x, attn, o_w.t()) if fuse and o_b is None else x + F.linear(attn, o_w, o_b)
             h = F.rms_norm(x, (x.shape[-1],), ln2, self.eps[i][1])
             gate, up = F.linear(h, gu_w).chunk(2, dim=-1)
