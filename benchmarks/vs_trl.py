@@ -43,20 +43,33 @@ def peak_rss_mb() -> float:
     return float("nan")
 
 
-def matmul_gflops(dtype_name: str, shapes: list[tuple[int, int, int]], seconds: float = 1.0) -> list[float]:
-    """GFLOP/s of a plain torch.matmul (m,k)@(k,n) in `dtype_name`, in this process and thread setting."""
+def matmul_gflops(dtype_name: str, shapes: list[tuple[int, int, int]], seconds: float = 0.5) -> list[dict]:
+    """GFLOP/s of a plain torch.matmul (m,k)@(k,n) in `dtype_name`, in this process and thread setting.
+
+    Each operand is tried stored row-major and stored transposed (`x @ W.t()` is how a linear
+    calls it); the reference is the best of the four layouts. On CPUs without bf16 units the
+    bf16 rate depends on the layout by 10x or more (exactly one transposed operand is fast),
+    so a single layout would be a straw man. Returns {"gflops": best, "layout": name, "all": {...}}.
+    """
     import torch
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    rates = []
+    out = []
     for m, k, n in shapes:
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        a @ b
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            a @ b
-            count += 1
-        rates.append(2 * m * k * n * count / (time.perf_counter() - start) / 1e9)
-    return rates
+        rates = {}
+        for a_t in (False, True):
+            for b_t in (False, True):
+                a = torch.randn(k, m, dtype=dtype).t() if a_t else torch.randn(m, k, dtype=dtype)
+                b = torch.randn(n, k, dtype=dtype).t() if b_t else torch.randn(k, n, dtype=dtype)
+                a @ b
+                count, start = 0, time.perf_counter()
+                while time.perf_counter() - start < seconds:
+                    a @ b
+                    count += 1
+                name = ("A.t()" if a_t else "A") + " @ " + ("B.t()" if b_t else "B")
+                rates[name] = round(2 * m * k * n * count / (time.perf_counter() - start) / 1e9, 2)
+        best = max(rates, key=rates.get)
+        out.append({"gflops": rates[best], "layout": best, "all": rates})
+    return out
 
 
 def load(spec: dict):
@@ -151,9 +164,10 @@ def run_tamer(spec: dict) -> dict:
     achieved = sum(flops[w:]) / sum(seconds[w:]) / 1e9
     cfg = model.config
     shapes = [(1024, 1024, 1024), (spec["prompts_per_step"] * spec["group_size"] * 48, cfg.hidden_size, cfg.intermediate_size)]
-    rates = matmul_gflops(spec["precision"], shapes) if not spec["eval_every"] else [float("nan")] * 2
+    rates = matmul_gflops(spec["precision"], shapes) if not spec["eval_every"] else [{"gflops": float("nan")}] * 2
     return summarize(spec, seconds, generated, phases, model_params=params, curve=curve,
-                     achieved_gflops=achieved, matmul_gflops_1024=rates[0], matmul_gflops_model_shape=rates[1],
+                     achieved_gflops=achieved, matmul_gflops_1024=rates[0]["gflops"],
+                     matmul_gflops_model_shape=rates[1]["gflops"], matmul_layouts=[r.get("all") for r in rates],
                      model_matmul_shape=list(shapes[1]), threads=torch.get_num_threads(),
                      fast_forward=getattr(trainer.engine, "fast", None) is not None)
 
@@ -312,6 +326,7 @@ def speed_row(size: str, spec: dict, tamer: dict, trl: dict) -> dict:
         "matmul_gflops_1024": round(tamer["matmul_gflops_1024"], 2),
         "matmul_gflops_model_shape": round(tamer["matmul_gflops_model_shape"], 2),
         "model_matmul_shape": tamer["model_matmul_shape"],
+        "matmul_gflops_by_layout": tamer.get("matmul_layouts"),
         "tamer_utilization_vs_1024": round(tamer["achieved_gflops"] / tamer["matmul_gflops_1024"], 3),
         "tamer_utilization_vs_model_shape": round(tamer["achieved_gflops"] / tamer["matmul_gflops_model_shape"], 3),
         "tamer_profile_s": {k: round(v, 4) for k, v in tamer["profile_s"].items()},

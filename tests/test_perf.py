@@ -167,3 +167,5 @@ def test_vs_trl_smoke(tmp_path):
                 "tamer_utilization_vs_1024", "tamer_profile_s", "trl_profile_s"):
         assert key in row
     assert row["beta"] == 0.04 and row["tamer_s_per_step"] > 0
+    layouts = row["matmul_gflops_by_layout"][0]  # the reference is the best of the four operand layouts
+    assert len(layouts) == 4 and row["matmul_gflops_1024"] == max(layouts.values())
