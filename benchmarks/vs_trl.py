@@ -143,7 +143,7 @@ def run_tamer(spec: dict) -> dict:
                         config, run_dir=spec["run_dir"])
     trainer.pool = _InOrder(prompts)
     evaluate = evaluator(spec, tokenizer, heldout) if spec["eval_every"] else None
-    seconds, generated, phases, curve, learner_tokens, clock = [], [], [], [], [], 0.0
+    seconds, generated, phases, curve, learner_tokens, clock, trace = [], [], [], [], [], 0.0, []
     if evaluate:
         curve.append((0, 0.0, evaluate(model)))
     for step in range(1, spec["total_steps"] + 1):
@@ -155,6 +155,7 @@ def run_tamer(spec: dict) -> dict:
         learner_tokens.append((metrics["tokens/learner"], metrics["tokens/prefill"]))
         phases.append({k[5:-2]: v for k, v in metrics.items() if k.startswith("time/") and k not in
                        ("time/rollout_s", "time/update_s")})
+        trace.append((metrics["reward/mean"], metrics["train/grad_norm"]))
         if evaluate and step % spec["eval_every"] == 0:
             curve.append((step, clock, evaluate(model)))
     params = count_parameters(model)
@@ -165,7 +166,7 @@ def run_tamer(spec: dict) -> dict:
     cfg = model.config
     shapes = [(1024, 1024, 1024), (spec["prompts_per_step"] * spec["group_size"] * 48, cfg.hidden_size, cfg.intermediate_size)]
     rates = matmul_gflops(spec["precision"], shapes) if not spec["eval_every"] else [{"gflops": float("nan")}] * 2
-    return summarize(spec, seconds, generated, phases, model_params=params, curve=curve,
+    return summarize(spec, seconds, generated, phases, model_params=params, curve=curve, trace=trace,
                      achieved_gflops=achieved, matmul_gflops_1024=rates[0]["gflops"],
                      matmul_gflops_model_shape=rates[1]["gflops"], matmul_layouts=[r.get("all") for r in rates],
                      model_matmul_shape=list(shapes[1]), threads=torch.get_num_threads(),
@@ -240,7 +241,8 @@ def run_trl(spec: dict) -> dict:
     trainer.add_callback(Clock())
     trainer.train()
     from tamer.models import count_parameters
-    return summarize(spec, seconds, generated, phases, model_params=count_parameters(model), curve=curve,
+    trace = [(log["reward"], log["grad_norm"]) for log in trainer.state.log_history if "grad_norm" in log and "reward" in log]
+    return summarize(spec, seconds, generated, phases, model_params=count_parameters(model), curve=curve, trace=trace,
                      threads=torch.get_num_threads(), trl_version=__import__("trl").__version__)
 
 
@@ -354,6 +356,9 @@ def learning(args, tmp: Path) -> None:
         "tamer_final_accuracy": final["tamer"], "trl_final_accuracy": final["trl"],
         "tamer_s_per_step": round(results["tamer"]["s_per_step"], 4), "trl_s_per_step": round(results["trl"]["s_per_step"], 4),
         "tamer_curve": curves["tamer"], "trl_curve": curves["trl"],  # [step, train seconds (eval excluded), accuracy]
+        # per step: [mean reward of the step's samples, gradient norm before clipping]
+        "tamer_trace": [[round(r, 4), round(g, 4)] for r, g in results["tamer"]["trace"]],
+        "trl_trace": [[round(r, 4), round(g, 4)] for r, g in results["trl"]["trace"]],
     }), flush=True)
 
 
