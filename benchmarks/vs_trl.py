@@ -185,12 +185,27 @@ class _InOrder:
         return out
 
 
+def trl_config(spec: dict):
+    """TRL's GRPOConfig for `spec`: every setting of the table in docs/performance.md, stated explicitly
+    (GRPOConfig's own defaults differ: e.g. bf16=True, which on CPU runs the forward under autocast)."""
+    from trl import GRPOConfig
+    rows = spec["prompts_per_step"] * spec["group_size"]
+    return GRPOConfig(
+        output_dir=spec["run_dir"], per_device_train_batch_size=rows, gradient_accumulation_steps=1,
+        num_generations=spec["group_size"], max_completion_length=spec["max_new_tokens"], temperature=1.0,
+        top_p=1.0, top_k=0, learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        beta=spec["beta"], num_iterations=1, loss_type="dapo", epsilon=0.2, max_grad_norm=1.0,
+        scale_rewards="group", bf16=spec["precision"] == "bf16", use_cpu=True, max_steps=spec["total_steps"],
+        logging_steps=1, save_strategy="no", report_to=[], shuffle_dataset=False, seed=spec["seed"],
+        dataloader_num_workers=0, disable_tqdm=True, log_completions=False)
+
+
 # ---------------------------------------------------------------------------- TRL worker
 def run_trl(spec: dict) -> dict:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
     model, tokenizer = load(spec)
     prompts, heldout = tasks_for(spec)
     by_id = {t.id: t for t in prompts}
@@ -206,15 +221,7 @@ def run_trl(spec: dict) -> dict:
         timer["score"] = timer.get("score", 0.0) + time.perf_counter() - start
         return scores
 
-    rows = spec["prompts_per_step"] * spec["group_size"]
-    args = GRPOConfig(
-        output_dir=spec["run_dir"], per_device_train_batch_size=rows, gradient_accumulation_steps=1,
-        num_generations=spec["group_size"], max_completion_length=spec["max_new_tokens"], temperature=1.0,
-        top_p=1.0, learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        beta=spec["beta"], num_iterations=1, loss_type="dapo", epsilon=0.2, max_grad_norm=1.0,
-        scale_rewards="group", bf16=spec["precision"] == "bf16", use_cpu=True, max_steps=spec["total_steps"],
-        logging_steps=1, save_strategy="no", report_to=[], shuffle_dataset=False, seed=spec["seed"],
-        dataloader_num_workers=0, disable_tqdm=True, log_completions=False)
+    args = trl_config(spec)
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=correctness, args=args,
                           train_dataset=data)
     _time_trl_phases(trainer, timer)
@@ -362,6 +369,75 @@ def learning(args, tmp: Path) -> None:
     }), flush=True)
 
 
+def same_batch(args, tmp: Path) -> None:
+    """One batch, both losses: tamer's rollout of one step fed to tamer's loss and to TRL's `_compute_loss`.
+
+    Prints the largest per-token logprob difference, both losses, and the relative difference of
+    the two gradients, with TRL's own advantages (its std eps is 1e-4) and with tamer's.
+    """
+    import torch
+    from trl import GRPOTrainer
+    from tamer.rewards import RewardComposer, RewardConfig
+    from tamer.trainers.common import OptimConfig
+    from tamer.trainers.rl import AlgorithmConfig, RLConfig, RLTrainer
+    model_dir = args.sft_model or sft_checkpoint(tmp, args.seed)
+    spec = dict(LEARNING, model=str(model_dir), beta=args.betas[0], precision=args.precisions[0], threads=args.threads,
+                seed=args.seed, total_steps=1, eval_size=16, run_dir=str(tmp / "run"))
+    model, tokenizer = load(spec)
+    prompts, heldout = tasks_for(spec)
+    config = RLConfig(steps=1, prompts_per_step=spec["prompts_per_step"], group_size=spec["group_size"],
+                      max_new_tokens=spec["max_new_tokens"], temperature=1.0, precision=spec["precision"], eval_every=0,
+                      seed=spec["seed"], optim=OptimConfig(lr=spec["lr"], max_grad_norm=1.0),
+                      algorithm=AlgorithmConfig(kl_coef=0.0, aggregation="token-mean"))
+    tamer = RLTrainer(model, tokenizer, prompts, heldout, RewardComposer(RewardConfig(weights={"correctness": 1.0})),
+                      config, run_dir=spec["run_dir"])
+    tamer.pool = _InOrder(prompts)
+    trajs, _ = tamer.collect(0)
+    batch = tamer.make_batch(trajs)
+
+    def grads(loss_fn) -> tuple[float, torch.Tensor]:
+        model.train()
+        model.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten().clone() for p in model.parameters()])
+
+    tamer_loss, tamer_grad = grads(lambda: tamer._micro_loss(batch)[0])
+    trl = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                      args=trl_config(spec), train_dataset=__import__("datasets").Dataset.from_list(
+                          [{"prompt": list(t.messages)} for t in prompts]))
+    trl.current_gradient_accumulation_steps = 1  # set by Trainer.train(); _compute_loss reads it
+    width_p = max(len(t.prompt_ids) for t in trajs)
+    width_c = max(len(t.completion_ids) for t in trajs)
+    pad = tokenizer.pad_token_id
+    prompt_ids = torch.tensor([[pad] * (width_p - len(t.prompt_ids)) + t.prompt_ids for t in trajs])
+    prompt_mask = torch.tensor([[0] * (width_p - len(t.prompt_ids)) + [1] * len(t.prompt_ids) for t in trajs])
+    completion_ids = torch.tensor([t.completion_ids + [pad] * (width_c - len(t.completion_ids)) for t in trajs])
+    completion_mask = torch.tensor([[1] * len(t.completion_ids) + [0] * (width_c - len(t.completion_ids)) for t in trajs])
+    rewards = torch.tensor([t.reward for t in trajs]).view(-1, spec["group_size"])  # trajectories come group by group
+    trl_adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
+    tamer_adv = batch.advantages if batch.advantages.dim() == 1 else \
+        (batch.advantages * batch.loss_mask).sum(-1) / batch.loss_mask.sum(-1).clamp(min=1)
+    inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                  completion_mask=completion_mask, num_items_in_batch=completion_mask.sum().float(), old_per_token_logps=None)
+    trl_loss, trl_grad = grads(lambda: trl._compute_loss(model, dict(inputs, advantages=trl_adv)))
+    _, trl_grad_same_adv = grads(lambda: trl._compute_loss(model, dict(inputs, advantages=tamer_adv)))
+    with torch.no_grad():
+        ours = tamer._logprobs(model, batch)
+        theirs = trl._get_per_token_logps_and_entropies(model, torch.cat([prompt_ids, completion_ids], 1),
+                                                        torch.cat([prompt_mask, completion_mask], 1), width_c)[0]
+    diff = max(float((ours[i, len(t.prompt_ids):len(t.prompt_ids) + len(t.completion_ids)]
+                      - theirs[i, :len(t.completion_ids)]).abs().max()) for i, t in enumerate(trajs))
+    rel = lambda a, b: float((a - b).norm() / b.norm().clamp(min=1e-12))  # noqa: E731
+    print(json.dumps({
+        "mode": "same_batch", "model": str(model_dir), "seed": args.seed, "precision": spec["precision"],
+        "rows": len(trajs), "mean_reward": float(rewards.mean()), "logprob_max_abs_diff": diff,
+        "tamer_loss": tamer_loss, "trl_loss": trl_loss, "tamer_grad_norm": float(tamer_grad.norm()),
+        "trl_grad_norm": float(trl_grad.norm()), "grad_rel_diff": rel(tamer_grad, trl_grad),
+        "grad_rel_diff_same_advantages": rel(tamer_grad, trl_grad_same_adv), "trl_version": __import__("trl").__version__,
+    }), flush=True)
+
+
 def sft_checkpoint(tmp: Path, seed: int) -> Path:
     """The arithmetic demo's SFT model (tamer's run_sft with the demo's defaults)."""
     from tamer.pipeline import RunConfig, TrackingConfig, run_sft, with_seed
@@ -379,6 +455,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning", action="store_true", help="accuracy vs wall-clock from an SFT checkpoint")
+    parser.add_argument("--same-batch", action="store_true",
+                        help="one rollout batch through both losses: logprob and gradient differences")
     parser.add_argument("--sft-model", default="", help="learning: SFT model dir (default: run tamer's SFT)")
     parser.add_argument("--learning-steps", type=int, default=40)
     parser.add_argument("--eval-every", type=int, default=5)
@@ -392,7 +470,7 @@ def main() -> None:
         print(json.dumps(result), flush=True)
         return
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
-        (learning if args.learning else speed)(args, Path(tmp))
+        (same_batch if args.same_batch else learning if args.learning else speed)(args, Path(tmp))
 
 
 if __name__ == "__main__":

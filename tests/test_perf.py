@@ -169,3 +169,17 @@ def test_vs_trl_smoke(tmp_path):
     assert row["beta"] == 0.04 and row["tamer_s_per_step"] > 0
     layouts = row["matmul_gflops_by_layout"][0]  # the reference is the best of the four operand layouts
     assert len(layouts) == 4 and row["matmul_gflops_1024"] == max(layouts.values())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install -e '.[bench]')")
+def test_vs_trl_same_batch_gives_trls_gradient(tmp_path):
+    """On one rollout batch, tamer's GRPO loss has TRL's logprobs and TRL's gradient (same advantages)."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--same-batch", "--threads", "2"],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0.0 < row["mean_reward"] < 1.0 and row["tamer_grad_norm"] > 0
+    assert row["logprob_max_abs_diff"] < 1e-4
+    assert row["grad_rel_diff_same_advantages"] < 1e-4
+    assert row["grad_rel_diff"] < 1e-2  # only TRL's std eps (1e-4 vs 1e-6) differs
