@@ -49,7 +49,7 @@ def matmul_gflops(dtype_name: str, shapes: list[tuple[int, int, int]], seconds: 
     Each operand is tried stored row-major and stored transposed (`x @ W.t()` is how a linear
     calls it); the reference is the best of the four layouts. On CPUs without bf16 units the
     bf16 rate depends on the layout by 10x or more (exactly one transposed operand is fast),
-    so a single layout would be a straw man. Returns {"gflops": best, "layout": name, "all": {...}}.
+    so a single layout would be a straw man. Returns {"gflops": best, "all": {layout: rate}} per shape.
     """
     import torch
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
@@ -67,8 +67,7 @@ def matmul_gflops(dtype_name: str, shapes: list[tuple[int, int, int]], seconds: 
                     count += 1
                 name = ("A.t()" if a_t else "A") + " @ " + ("B.t()" if b_t else "B")
                 rates[name] = round(2 * m * k * n * count / (time.perf_counter() - start) / 1e9, 2)
-        best = max(rates, key=rates.get)
-        out.append({"gflops": rates[best], "layout": best, "all": rates})
+        out.append({"gflops": max(rates.values()), "all": rates})
     return out
 
 
@@ -125,14 +124,11 @@ def summarize(spec: dict, step_seconds: list[float], generated: list[int], phase
 
 
 # ---------------------------------------------------------------------------- tamer worker
-def run_tamer(spec: dict) -> dict:
-    import torch
-    from tamer.models import count_parameters
+def tamer_trainer(spec: dict, model, tokenizer, prompts, heldout):
+    """tamer's RLTrainer for `spec` (the tamer column of the table in docs/performance.md), fed `prompts` in order."""
     from tamer.rewards import RewardComposer, RewardConfig
     from tamer.trainers.common import OptimConfig
     from tamer.trainers.rl import AlgorithmConfig, RLConfig, RLTrainer
-    model, tokenizer = load(spec)
-    prompts, heldout = tasks_for(spec)
     config = RLConfig(
         steps=spec["total_steps"], prompts_per_step=spec["prompts_per_step"], group_size=spec["group_size"],
         max_new_tokens=spec["max_new_tokens"], temperature=1.0, precision=spec["precision"], eval_every=0,
@@ -142,6 +138,15 @@ def run_tamer(spec: dict) -> dict:
     trainer = RLTrainer(model, tokenizer, prompts, heldout, RewardComposer(RewardConfig(weights={"correctness": 1.0})),
                         config, run_dir=spec["run_dir"])
     trainer.pool = _InOrder(prompts)
+    return trainer
+
+
+def run_tamer(spec: dict) -> dict:
+    import torch
+    from tamer.models import count_parameters
+    model, tokenizer = load(spec)
+    prompts, heldout = tasks_for(spec)
+    trainer = tamer_trainer(spec, model, tokenizer, prompts, heldout)
     evaluate = evaluator(spec, tokenizer, heldout) if spec["eval_every"] else None
     seconds, generated, phases, curve, learner_tokens, clock, trace = [], [], [], [], [], 0.0, []
     if evaluate:
@@ -377,21 +382,15 @@ def same_batch(args, tmp: Path) -> None:
     """
     import torch
     from trl import GRPOTrainer
-    from tamer.rewards import RewardComposer, RewardConfig
-    from tamer.trainers.common import OptimConfig
-    from tamer.trainers.rl import AlgorithmConfig, RLConfig, RLTrainer
+    from tamer.algorithms import ADVANTAGES
+    from tamer.rollout.engine import _left_pad
+    from tamer.trainers.common import right_pad
     model_dir = args.sft_model or sft_checkpoint(tmp, args.seed)
-    spec = dict(LEARNING, model=str(model_dir), beta=args.betas[0], precision=args.precisions[0], threads=args.threads,
+    spec = dict(LEARNING, model=str(model_dir), beta=0.0, precision=args.precisions[0], threads=args.threads,
                 seed=args.seed, total_steps=1, eval_size=16, run_dir=str(tmp / "run"))
     model, tokenizer = load(spec)
     prompts, heldout = tasks_for(spec)
-    config = RLConfig(steps=1, prompts_per_step=spec["prompts_per_step"], group_size=spec["group_size"],
-                      max_new_tokens=spec["max_new_tokens"], temperature=1.0, precision=spec["precision"], eval_every=0,
-                      seed=spec["seed"], optim=OptimConfig(lr=spec["lr"], max_grad_norm=1.0),
-                      algorithm=AlgorithmConfig(kl_coef=0.0, aggregation="token-mean"))
-    tamer = RLTrainer(model, tokenizer, prompts, heldout, RewardComposer(RewardConfig(weights={"correctness": 1.0})),
-                      config, run_dir=spec["run_dir"])
-    tamer.pool = _InOrder(prompts)
+    tamer = tamer_trainer(spec, model, tokenizer, prompts, heldout)
     trajs, _ = tamer.collect(0)
     batch = tamer.make_batch(trajs)
 
@@ -407,31 +406,26 @@ def same_batch(args, tmp: Path) -> None:
                       args=trl_config(spec), train_dataset=__import__("datasets").Dataset.from_list(
                           [{"prompt": list(t.messages)} for t in prompts]))
     trl.current_gradient_accumulation_steps = 1  # set by Trainer.train(); _compute_loss reads it
-    width_p = max(len(t.prompt_ids) for t in trajs)
-    width_c = max(len(t.completion_ids) for t in trajs)
-    pad = tokenizer.pad_token_id
-    prompt_ids = torch.tensor([[pad] * (width_p - len(t.prompt_ids)) + t.prompt_ids for t in trajs])
-    prompt_mask = torch.tensor([[0] * (width_p - len(t.prompt_ids)) + [1] * len(t.prompt_ids) for t in trajs])
-    completion_ids = torch.tensor([t.completion_ids + [pad] * (width_c - len(t.completion_ids)) for t in trajs])
-    completion_mask = torch.tensor([[1] * len(t.completion_ids) + [0] * (width_c - len(t.completion_ids)) for t in trajs])
-    rewards = torch.tensor([t.reward for t in trajs]).view(-1, spec["group_size"])  # trajectories come group by group
-    trl_adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
-    tamer_adv = batch.advantages if batch.advantages.dim() == 1 else \
-        (batch.advantages * batch.loss_mask).sum(-1) / batch.loss_mask.sum(-1).clamp(min=1)
+    prompt_ids, prompt_mask = _left_pad([t.prompt_ids for t in trajs], tokenizer.pad_token_id)
+    completion_ids = right_pad([t.completion_ids for t in trajs], tokenizer.pad_token_id, torch.long)
+    completion_mask = right_pad([[1] * len(t.completion_ids) for t in trajs], 0, torch.long)
+    # TRL's advantages: the same unbiased group std, with TRL's eps (1e-4; tamer's default is 1e-6)
+    trl_adv = ADVANTAGES.get("grpo")(batch.rewards, batch.group_ids, eps=1e-4)
     inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
                   completion_mask=completion_mask, num_items_in_batch=completion_mask.sum().float(), old_per_token_logps=None)
     trl_loss, trl_grad = grads(lambda: trl._compute_loss(model, dict(inputs, advantages=trl_adv)))
-    _, trl_grad_same_adv = grads(lambda: trl._compute_loss(model, dict(inputs, advantages=tamer_adv)))
+    _, trl_grad_same_adv = grads(lambda: trl._compute_loss(model, dict(inputs, advantages=batch.advantages)))
     with torch.no_grad():
         ours = tamer._logprobs(model, batch)
         theirs = trl._get_per_token_logps_and_entropies(model, torch.cat([prompt_ids, completion_ids], 1),
-                                                        torch.cat([prompt_mask, completion_mask], 1), width_c)[0]
+                                                        torch.cat([prompt_mask, completion_mask], 1),
+                                                        completion_ids.shape[1])[0]
     diff = max(float((ours[i, len(t.prompt_ids):len(t.prompt_ids) + len(t.completion_ids)]
                       - theirs[i, :len(t.completion_ids)]).abs().max()) for i, t in enumerate(trajs))
     rel = lambda a, b: float((a - b).norm() / b.norm().clamp(min=1e-12))  # noqa: E731
     print(json.dumps({
         "mode": "same_batch", "model": str(model_dir), "seed": args.seed, "precision": spec["precision"],
-        "rows": len(trajs), "mean_reward": float(rewards.mean()), "logprob_max_abs_diff": diff,
+        "rows": len(trajs), "mean_reward": float(batch.rewards.mean()), "logprob_max_abs_diff": diff,
         "tamer_loss": tamer_loss, "trl_loss": trl_loss, "tamer_grad_norm": float(tamer_grad.norm()),
         "trl_grad_norm": float(trl_grad.norm()), "grad_rel_diff": rel(tamer_grad, trl_grad),
         "grad_rel_diff_same_advantages": rel(tamer_grad, trl_grad_same_adv), "trl_version": __import__("trl").__version__,
