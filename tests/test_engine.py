@@ -9,7 +9,7 @@ from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams
 from tamer.tasks import ArithmeticTasks
 from tamer.trainers.batch import collate, micro_batches
-from tamer.trainers.common import token_logprobs
+from tamer.models import token_logprobs
 
 
 def _prompts(tokenizer, n=4):

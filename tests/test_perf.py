@@ -12,12 +12,13 @@ import torch
 
 from tamer.models import encode_chat, stop_token_ids
 from tamer.rewards import RewardComposer, RewardConfig
-from tamer.rollout.engine import HFEngine, _left_pad, autocast, sample_tokens
+from tamer.models import autocast, shared_prefix_logprobs, token_logprobs
+from tamer.rollout.engine import HFEngine, _left_pad, sample_tokens
 from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams
 from tamer.tasks import ArithmeticTasks
 from tamer.trainers.batch import collate, micro_batches
-from tamer.trainers.common import OptimConfig, shared_prefix_logprobs, token_logprobs
+from tamer.trainers.common import OptimConfig
 from tamer.trainers.rl import RLConfig, RLTrainer
 
 ROOT = Path(__file__).resolve().parents[1]

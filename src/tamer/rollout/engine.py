@@ -31,7 +31,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from tamer.rollout.fast_forward import FastDecoder
+from tamer.models.fast_forward import FastDecoder
+from tamer.models.precision import autocast, cache_keyword, intra_op_threads
 from tamer.rollout.prefix_cache import PrefixEntry, PrefixStore
 from tamer.rollout.types import GenerationOutput, SamplingParams
 
@@ -42,36 +43,6 @@ class GenerationEngine(Protocol):
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         """Make the engine sample from the learner's current weights."""
-
-
-PRECISIONS = ("fp32", "bf16")
-
-
-def autocast(precision: str, device: torch.device | str = "cpu") -> contextlib.AbstractContextManager:
-    """The context a forward pass runs in: nothing for fp32, bf16 autocast (fp32 weights) for bf16.
-
-    This is mixed precision as `accelerate`/TRL's `bf16=True` does it: matmuls in bf16, weights,
-    optimizer state and reductions in fp32. Callers take logprobs from `logits.float()`.
-    """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
-
-
-@contextlib.contextmanager
-def intra_op_threads(n: int):
-    """torch's intra-op thread count set to `n` inside the block (0: unchanged), then restored."""
-    previous = torch.get_num_threads()
-    if n <= 0 or n == previous:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 class _InPlaceLayer(DynamicLayer):
@@ -155,12 +126,6 @@ def _top_p_filter(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_lp = sorted_lp.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logprobs, float("-inf")).scatter(-1, order, sorted_lp)
     return torch.log_softmax(filtered, dim=-1)
-
-
-def cache_keyword(model: PreTrainedModel) -> str:
-    """The forward() argument that takes a KV cache: `cache` in newer transformers."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 class HFEngine:

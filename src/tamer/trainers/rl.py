@@ -42,14 +42,16 @@ from tamer.evaluate import EvalConfig, evaluate
 from tamer.models import stop_token_ids
 from tamer.rewards import RewardComposer
 from tamer.rollout.agent import AgentConfig
-from tamer.rollout.engine import PRECISIONS, GenerationEngine, HFEngine, autocast
+from tamer.models.logprobs import shared_prefix_logprobs, token_logprobs
+from tamer.models.precision import PRECISIONS, autocast
+from tamer.rollout.engine import GenerationEngine, HFEngine
 from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams, Trajectory
 from tamer.tasks.base import Task, TaskPool
 from tamer.trainers.batch import Batch, collate, micro_batches
 from tamer.trainers.critic import Critic, CriticConfig
 from tamer.trainers.common import (
-    OptimConfig, clip_and_step, make_optimizer, make_scheduler, shared_prefix_logprobs, token_logprobs,
+    OptimConfig, clip_and_step, make_optimizer, make_scheduler,
 )
 
 DYNAMIC_SAMPLING = ("off", "drop", "refill")
