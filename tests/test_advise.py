@@ -12,15 +12,16 @@ import json
 import random
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from tamer.advise import (
-    MIN_TRAIN_TASKS, PASS1_ENOUGH, AdviseConfig, Measurements, RewardHealth, StepCost, advise_command, decide,
-    measure_steps, run_advise,
+    MIN_TRAIN_TASKS, PASS1_ENOUGH, AdviseConfig, Measurements, RewardHealth, StepCost, decide, measure_steps,
+    run_advise,
 )
+from tamer.cli import app
 from tamer.config import load_config
 from tamer.pipeline import RunConfig, run_sft
+from tamer.rewards import REWARDS
 
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2",
         "model.tiny.intermediate_size=64", "rl.max_new_tokens=8", "eval.max_new_tokens=8", "eval.size=16",
@@ -28,24 +29,19 @@ TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_
 FAST = ["--tasks", "16", "--prompts", "8", "--k", "4", "--no-step-measure"]
 
 
+@REWARDS.register("always_one")
 def always_one(traj) -> float:
     """A reward that cannot tell a right answer from a wrong one."""
     return 1.0
 
 
+@REWARDS.register("crashes")
 def crashes(traj) -> float:
     raise KeyError("expected a field the trajectory does not have")
 
 
-def _app() -> typer.Typer:
-    app = typer.Typer()
-    app.command("advise")(advise_command)
-    app.command("other")(lambda: None)  # two commands: the command name stays on the command line
-    return app
-
-
 def _advise(*args: str) -> dict:
-    result = CliRunner().invoke(_app(), ["advise", *args, "--json"])
+    result = CliRunner().invoke(app, ["advise", *args, "--json"])
     assert result.exit_code == 0, result.output
     return json.loads(result.output)
 
@@ -114,7 +110,7 @@ def test_healthy_case_gets_grpo(healthy):
 def test_constant_reward_says_fix_the_reward(healthy):
     path, task = healthy
     advice = _advise("--model", path, *_sets(TINY + task + ["reward.weights={always_one: 1.0}"]),
-                     "--reward-fn", "always_one=tests.test_advise:always_one", *FAST)
+                     "--import", "tests.test_advise", *FAST)
     health = advice["measurements"]["rewards"]
     assert advice["verdict"] == "fix_reward"
     assert [r["name"] for r in health] == ["always_one"] and health[0]["constant"]
@@ -124,9 +120,8 @@ def test_constant_reward_says_fix_the_reward(healthy):
 
 def test_reward_errors_are_counted_and_say_fix_the_reward(healthy):
     path, task = healthy
-    cfg = load_config(RunConfig, None, TINY + task + [f"model.path={path}"])
-    advice = run_advise(cfg, AdviseConfig(eval_tasks=8, k=4, spread_prompts=4, measure_steps=0),
-                        {"crashes": "tests.test_advise:crashes"})
+    cfg = load_config(RunConfig, None, TINY + task + [f"model.path={path}", "reward.weights.crashes=1.0"])
+    advice = run_advise(cfg, AdviseConfig(eval_tasks=8, k=4, spread_prompts=4, measure_steps=0))
     crash = next(r for r in advice.measurements.rewards if r.name == "crashes")
     assert advice.verdict == "fix_reward"
     assert crash.errors == crash.calls == 4 * 8 and "KeyError" in crash.first_error
@@ -135,14 +130,14 @@ def test_reward_errors_are_counted_and_say_fix_the_reward(healthy):
 
 def test_text_output_shows_the_numbers(healthy):
     path, task = healthy
-    result = CliRunner().invoke(_app(), ["advise", "--model", path, *_sets(TINY + task), *FAST])
+    result = CliRunner().invoke(app, ["advise", "--model", path, *_sets(TINY + task), *FAST])
     assert result.exit_code == 0, result.output
     assert "verdict: GRPO" in result.output and "pass@4" in result.output and "zero spread" in result.output
 
 
 def test_bad_reward_name_is_one_clear_error():
-    result = CliRunner().invoke(_app(), ["advise", *_sets(TINY + ["reward.weights={nope: 1.0}"]), *FAST])
-    assert result.exit_code == 2 and "reward.weights.nope" in result.output
+    result = CliRunner().invoke(app, ["advise", *_sets(TINY + ["reward.weights={nope: 1.0}"]), *FAST])
+    assert result.exit_code == 2 and "reward.weights: unknown reward 'nope'" in result.output
 
 
 # ---------------------------------------------------------------------------- step costs (child processes)

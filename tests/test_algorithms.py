@@ -56,10 +56,20 @@ def test_registries_list_names_and_reject_unknown():
         get_policy_loss_fn("nope")
 
 
-def test_estimators_ignore_unknown_kwargs():
-    hp = {"eps": 1e-6, "gamma": 0.9, "clip_eps_low": 0.2, "loss_mask": torch.ones(7, 3)}
-    for name in ADVANTAGES:
-        assert get_advantage_fn(name)(REWARDS, IDS, **hp).shape == (7,)
+def test_one_call_signature_and_hyperparameters_bound_from_same_named_fields():
+    from types import SimpleNamespace
+
+    from tamer.algorithms import bind
+
+    for name in ADVANTAGES:  # every estimator takes (rewards, group_ids, loss_mask)
+        assert get_advantage_fn(name)(REWARDS, IDS, torch.ones(7, 3)).shape == (7,)
+    with pytest.raises(TypeError):  # no keyword is silently ignored
+        get_advantage_fn("dr_grpo")(REWARDS, IDS, eps=1e-6)
+    source = SimpleNamespace(eps=0.5, clip_eps_high=0.28, gspo_eps_low=1e-3, unrelated=1)
+    assert bind(get_advantage_fn("grpo"), source).keywords == {"eps": 0.5}
+    assert bind(get_advantage_fn("rloo"), source).keywords == {}
+    assert bind(get_policy_loss_fn("ppo"), source).keywords == {"clip_eps_high": 0.28}
+    assert bind(get_policy_loss_fn("gspo"), source).keywords == {"gspo_eps_low": 1e-3}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,12 +264,12 @@ def test_gspo_sequence_ratio_and_own_eps():
     #        -> clipped: loss -1.0004 on both tokens
     # row 1: log ratios [-1e-4, 1e-4, junk 5 at a masked position] -> mean 0 -> s = 1;
     #        A = -1 -> loss 1.0 on the two masked-in tokens, 0 on the third
-    # clip_eps_high = 10 is the token-ratio ε: gspo must ignore it.
+    # gspo has its own ε (gspo_eps_*): the token ratios' clip_eps_* are not among its parameters.
     logprobs = torch.tensor([[0.001, 0.003, 0.0], [-1e-4, 1e-4, 5.0]], dtype=torch.float64)
     old = torch.zeros(2, 3, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
     adv = torch.tensor([1.0, -1.0])
-    loss, m = get_policy_loss_fn("gspo")(logprobs, old, adv, mask, clip_eps_high=10.0)
+    loss, m = get_policy_loss_fn("gspo")(logprobs, old, adv, mask)
     close(loss, [[-1.0004, -1.0004, 0.0], [1.0, 1.0, 0.0]], atol=1e-7)
     close(m["clip_frac"], 0.5)
     close(m["ratio_mean"], (2 * 1.002002 + 2 * 1.0) / 4)

@@ -63,7 +63,7 @@ def test_registered_and_split_disjoint_deterministic(split):
 
 def test_default_heldout_is_large_enough():
     assert CalculatorConfig().heldout_size >= 300
-    with pytest.raises(ValueError, match="task.calculator.demo_redundant_rate"):
+    with pytest.raises(ValueError, match="^demo_redundant_rate: expected a probability"):
         CalculatorConfig(demo_redundant_rate=1.5)
 
 

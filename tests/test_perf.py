@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tamer.models import encode_chat, stop_token_ids
-from tamer.rewards import RewardComposer, RewardConfig
+from tamer.rewards import REWARDS, RewardComposer, RewardConfig
 from tamer.models import autocast, shared_prefix_logprobs, token_logprobs
 from tamer.rollout.engine import HFEngine, _left_pad, sample_tokens
 from tamer.rollout.runner import Rollout
@@ -102,13 +102,15 @@ def test_micro_batches_with_rows_cover_every_row(tokenizer, tiny_model):
         assert torch.equal(micro.prefix_index, batch.prefix_index[r])
 
 
+if "parity" not in REWARDS:  # a reward that splits every group (an untrained model's completions all run to max length)
+    REWARDS.register("parity")(lambda traj: float(sum(traj.completion_ids) % 2))
+
+
 def _trainer(model, tokenizer, tmp_path, **overrides):
     cfg = RLConfig(**{"steps": 2, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8,
                       "optim": OptimConfig(lr=1e-3), "eval_every": 0, **overrides})
     train, held = ArithmeticTasks().split()
-    # A reward that splits every group (an untrained model's completions all run to max length).
-    parity = {"parity": lambda traj: float(sum(traj.completion_ids) % 2)}
-    rewards = RewardComposer(RewardConfig(weights={"correctness": 1.0, "parity": 1.0}), parity)
+    rewards = RewardComposer(RewardConfig(weights={"correctness": 1.0, "parity": 1.0}))
     return RLTrainer(model, tokenizer, train, held, rewards, cfg, run_dir=tmp_path)
 
 
@@ -150,7 +152,7 @@ def test_bf16_autocast_logprobs_are_float32_and_close(tokenizer, tiny_model):
 
 
 def test_precision_is_validated():
-    with pytest.raises(ValueError, match="rl.precision"):
+    with pytest.raises(ValueError, match="^precision: unknown precision 'fp16'"):
         RLConfig(precision="fp16")
 
 

@@ -1,6 +1,6 @@
 """Rewards tier: built-in functions, weighted composition, error isolation."""
 
-from tamer.rewards import RewardComposer, RewardConfig, answer_format, correctness, length_penalty
+from tamer.rewards import REWARDS, RewardComposer, RewardConfig, answer_format, correctness, length_penalty
 from tamer.rollout.types import Trajectory
 from tamer.tasks.base import Task
 
@@ -29,13 +29,20 @@ def test_weighted_composition_and_metrics():
     assert stats.metrics()["reward/correctness"] == 0.5 and stats.metrics()["reward/mean"] == 0.75
 
 
-def test_raising_reward_is_recorded_and_scored_default():
-    def flaky(traj):
-        if "boom" in traj.text:
-            raise RuntimeError("reward backend down")
-        return 1.0
+@REWARDS.register("flaky")
+def flaky(traj):
+    if "boom" in traj.text:
+        raise RuntimeError("reward backend down")
+    return 1.0
 
-    composer = RewardComposer(RewardConfig(weights={"flaky": 2.0}, default_on_error=-0.25), extra={"flaky": flaky})
+
+@REWARDS.register("nan")
+def nan_reward(traj):
+    return float("nan")
+
+
+def test_raising_reward_is_recorded_and_scored_default():
+    composer = RewardComposer(RewardConfig(weights={"flaky": 2.0}, default_on_error=-0.25))
     trajs = [_traj("fine"), _traj("boom"), _traj("boom")]
     stats = composer.score(trajs)
     assert [t.reward for t in trajs] == [2.0, -0.5, -0.5]
@@ -44,7 +51,7 @@ def test_raising_reward_is_recorded_and_scored_default():
 
 
 def test_nan_reward_counts_as_error():
-    composer = RewardComposer(RewardConfig(weights={"nan": 1.0}), extra={"nan": lambda t: float("nan")})
+    composer = RewardComposer(RewardConfig(weights={"nan": 1.0}))
     stats = composer.score([_traj("x")])
     assert stats.errors == {"nan": 1}
 
@@ -52,5 +59,5 @@ def test_nan_reward_counts_as_error():
 def test_reward_params_must_name_a_used_function():
     import pytest
 
-    with pytest.raises(ValueError, match="reward.params.length"):
+    with pytest.raises(ValueError, match="^params.length: no such function"):
         RewardConfig(weights={"correctness": 1.0}, params={"length": {"max_tokens": 3}})

@@ -8,13 +8,18 @@ from typer.testing import CliRunner
 
 from tamer.cli import app
 from tamer.evaluate import EvalConfig
-from tamer.rewards import RewardComposer, RewardConfig
+from tamer.rewards import REWARDS, RewardComposer, RewardConfig
 from tamer.tasks import ArithmeticTasks
 from tamer.tracking import Tracker, read_metrics
 from tamer.trainers.common import OptimConfig
 from tamer.trainers.rl import AlgorithmConfig, RLConfig, RLTrainer
 
 EVAL = EvalConfig(size=8, max_new_tokens=8)
+
+
+@REWARDS.register("broken")
+def broken(traj):
+    raise KeyError("missing field")
 
 
 def _trainer(model, tokenizer, tmp_path, tracker=None, **overrides):
@@ -143,14 +148,14 @@ def test_ppo_with_critic_trains(tiny_model, tokenizer, tmp_path, shared):
     log = _Collect()
     trainer = _trainer(tiny_model, tokenizer, tmp_path, log, steps=2, ppo_epochs=2,
                        algorithm=AlgorithmConfig(advantage="gae"), critic=CriticConfig(shared=shared, kl_in_reward=0.05))
-    head_before = trainer.critic.model.head.weight.detach().clone()
+    head_before = trainer.advantage.model.head.weight.detach().clone()
     trainer.train()
     assert trainer.ref_model is not None  # KL in the reward needs the reference
     for step in (1, 2):
         assert torch.isfinite(torch.tensor(log.records[step]["critic/value_loss"]))
         assert torch.isfinite(torch.tensor(log.records[step]["train/loss"]))
-    assert not torch.equal(head_before, trainer.critic.model.head.weight)
-    separate = {id(p) for p in trainer.critic.model.trunk.parameters()} & {id(p) for p in tiny_model.parameters()}
+    assert not torch.equal(head_before, trainer.advantage.model.head.weight)
+    separate = {id(p) for p in trainer.advantage.model.trunk.parameters()} & {id(p) for p in tiny_model.parameters()}
     assert bool(separate) == shared
 
 
@@ -161,11 +166,8 @@ def test_raising_reward_is_logged_once_and_training_goes_on(tiny_model, tokenize
         def print(self, msg):
             self.printed.append(msg)
 
-    def broken(traj):
-        raise KeyError("missing field")
-
     train, held = ArithmeticTasks().split()
-    rewards = RewardComposer(RewardConfig(weights={"length": 1.0, "broken": 1.0}), extra={"broken": broken})
+    rewards = RewardComposer(RewardConfig(weights={"length": 1.0, "broken": 1.0}))
     cfg = RLConfig(steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_every=0)
     log = Log()
     RLTrainer(tiny_model, tokenizer, train, held, rewards, cfg, EVAL, run_dir=tmp_path, tracker=log).train()

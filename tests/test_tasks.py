@@ -45,7 +45,7 @@ def test_split_is_disjoint_and_deterministic():
 
 
 def test_bad_arithmetic_config_names_field():
-    with pytest.raises(ValueError, match="task.arithmetic.operations"):
+    with pytest.raises(ValueError, match="^operations: use characters"):
         ArithmeticConfig(operations="/")
 
 

@@ -272,11 +272,11 @@ def test_environment_limits_calls_per_turn_and_never_raises():
 
 
 def test_config_validation_names_the_field():
-    with pytest.raises(ValueError, match="env.parser"):
+    with pytest.raises(ValueError, match="^parser: unknown tool-call parser"):
         ToolEnvConfig(parser="nope")
-    with pytest.raises(ValueError, match="env.max_tool_calls_per_turn"):
+    with pytest.raises(ValueError, match="^max_tool_calls_per_turn: "):
         ToolEnvConfig(max_tool_calls_per_turn=0)
-    with pytest.raises(ValueError, match="env.tool_timeout_s"):
+    with pytest.raises(ValueError, match="^tool_timeout_s: "):
         ToolEnvConfig(tool_timeout_s=0)
 
 

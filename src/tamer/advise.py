@@ -1,6 +1,6 @@
 """`tamer advise`: does my agent need RL, and which kind? Measured first, then advised.
 
-    config = load_config(RunConfig, "my.yaml")
+    config = load_config(RunConfig, ["my.yaml"])
     advice = run_advise(config, AdviseConfig(k=8, memory_gb=16))
     print(advice.text())           # for people
     advice.to_dict()               # for scripts (`tamer advise --json`)
@@ -18,6 +18,9 @@ What it measures, without training the model:
   model's samples is a model that never succeeds, which the pass@k rule catches;
 - cost of one RL step for GRPO and PPO: `measure_steps` steps of each, each method in its
   own process (as `tamer compare` does): seconds per step and peak resident memory.
+
+Every measurement runs the run's own config through the pieces `tamer train` and `tamer eval`
+use (`evaluate_model`, `make_trainer`): the same agent settings, rewards and sampling.
 
 The decision guide: rules in priority order; the first that fires is the verdict, and
 every rule is reported with the numbers it was decided on.
@@ -45,12 +48,20 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-import typer
+import torch
 
-from tamer.compare import ConfigOpt, METHODS, PhaseError, SeedOpt, SetOpt, import_function, run_in_child
-from tamer.config import ConfigError
+from tamer.algorithms import zero_spread_groups
+from tamer.compare import METHODS
+from tamer.config import FieldError
+from tamer.models import count_parameters
+from tamer.phases import run_in_child
+from tamer.pipeline import RunConfig, build_policy, evaluate_model, make_trainer
+from tamer.rollout.types import Trajectory
+from tamer.tasks import get_task_source
+from tamer.tasks.base import format_answer
+from tamer.trainers.common import seed_everything
 
 PASS1_ENOUGH = 0.9  # pass@1 at or above: RL not needed
 PASSK_MIN = 0.05  # pass@k below: SFT first
@@ -66,7 +77,7 @@ class AdviseConfig:
     """How much to measure; the run's own config supplies the model, task and rewards."""
 
     eval_tasks: int = 32  # held-out tasks for pass@k
-    k: int = 8
+    k: int = 8  # k of pass@k
     samples: int = 0  # n samples per task for pass@k; 0: max(eval.pass_n, k)
     spread_prompts: int = 16  # M training prompts for the reward-spread round
     group_size: int = 0  # G; 0: rl.group_size
@@ -76,13 +87,15 @@ class AdviseConfig:
     def __post_init__(self) -> None:
         for name in ("eval_tasks", "k", "spread_prompts"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+                raise FieldError(name, f"expected >= 1, got {getattr(self, name)}")
         if self.samples and self.samples < self.k:
-            raise ValueError(f"samples ({self.samples}) must be >= k ({self.k})")
+            raise FieldError("samples", f"must be >= k ({self.k}), got {self.samples}")
         if self.group_size == 1 or self.group_size < 0:
-            raise ValueError("group_size: a spread needs at least 2 samples per prompt")
+            raise FieldError("group_size", "a spread needs at least 2 samples per prompt")
+        if self.measure_steps < 0:
+            raise FieldError("measure_steps", f"expected >= 0, got {self.measure_steps}")
         if self.memory_gb is not None and self.memory_gb <= 0:
-            raise ValueError("memory_gb: expected > 0")
+            raise FieldError("memory_gb", f"expected > 0, got {self.memory_gb}")
 
 
 # ---------------------------------------------------------------------------- what is measured
@@ -196,7 +209,9 @@ def _measurement_lines(m: Measurements) -> list[str]:
 
 
 def _health_line(r: RewardHealth) -> str:
-    values = lambda vs: "{" + ", ".join(f"{v:g}" for v in vs) + "}"  # noqa: E731
+    def values(vs: list[float]) -> str:
+        return "{" + ", ".join(f"{v:g}" for v in vs) + "}"
+
     state = "CONSTANT" if r.constant else "varies"
     return (f"{r.name} (weight {r.weight:g}): {r.errors} errors in {r.calls} calls, {state}; "
             f"samples {values(r.sample_values)}, probes {values(r.probe_values)}")
@@ -290,87 +305,56 @@ def _method_rule(m: Measurements, memory_gb: float | None) -> tuple[Rule, str]:
 
 
 # ---------------------------------------------------------------------------- measuring
-def run_advise(config, advise: AdviseConfig = AdviseConfig(), reward_fns: dict[str, str] | None = None) -> Advice:
-    """Measure `config`'s model on its task and rewards, then apply the decision guide.
-
-    `reward_fns` maps extra reward names to "module:function" paths (your own functions);
-    each is added to `config.reward.weights` with weight 1.0 unless already weighted there.
-    """
-    config = with_reward_fns(config, reward_fns or {})
-    measurements = measure(config, advise, reward_fns or {})
-    return decide(measurements, advise.memory_gb)
+def run_advise(config: RunConfig, advise: AdviseConfig = AdviseConfig()) -> Advice:
+    """Measure `config`'s model on its task and rewards, then apply the decision guide."""
+    return decide(measure(config, advise), advise.memory_gb)
 
 
-def with_reward_fns(config, reward_fns: dict[str, str]):
-    from tamer.rewards import REWARDS
-
-    weights = {**{name: 1.0 for name in reward_fns}, **config.reward.weights}
-    for name in weights:
-        if name not in REWARDS and name not in reward_fns:
-            raise ConfigError(f"reward.weights.{name}: unknown reward function; registered: {', '.join(REWARDS.names())}"
-                              " (or pass --reward-fn NAME=module:function)")
-    return dataclasses.replace(config, reward=dataclasses.replace(config.reward, weights=weights))
-
-
-def measure(config, advise: AdviseConfig, reward_fns: dict[str, str]) -> Measurements:
-    from tamer.pipeline import build_policy
-    from tamer.tasks import get_task_source
-    from tamer.trainers.common import seed_everything
-
+def measure(config: RunConfig, advise: AdviseConfig) -> Measurements:
     start = time.perf_counter()
-    extra = {name: import_function(path) for name, path in reward_fns.items()}
     source = get_task_source(config.task)
     train, heldout = source.split()
     model, tokenizer = build_policy(config.model, config.task)
     seed_everything(config.rl.seed)
     success = _success(model, tokenizer, heldout, config, advise)
-    spread, mean_reward, health = _spread_and_health(model, tokenizer, source, train, config, advise, extra)
+    spread, mean_reward, health = _spread_and_health(model, tokenizer, source, config, advise)
     del model  # the step measurements run in their own processes
-    steps, skipped = {}, "--no-step-measure" if not advise.measure_steps else ""
-    if advise.measure_steps:
-        steps = measure_steps(config, advise.measure_steps, reward_fns)
-    name = config.model.path or "model.tiny (random init)"
+    steps = measure_steps(config, advise.measure_steps) if advise.measure_steps else {}
     return Measurements(
-        task=config.task.name, model=name, parameters=success.pop("parameters"), train_tasks=len(train),
-        heldout_tasks=len(heldout), **success, spread_prompts=advise.spread_prompts,
+        task=config.task.name, model=config.model.path or "model.tiny (random init)", parameters=success.pop("parameters"),
+        train_tasks=len(train), heldout_tasks=len(heldout), **success, spread_prompts=advise.spread_prompts,
         group_size=advise.group_size or config.rl.group_size, zero_spread_fraction=spread, reward_mean=mean_reward,
-        rewards=health, steps=steps, steps_skipped=skipped, seconds=time.perf_counter() - start)
+        rewards=health, steps=steps, steps_skipped="" if advise.measure_steps else "--no-step-measure",
+        seconds=time.perf_counter() - start)
 
 
-def _success(model, tokenizer, heldout, config, advise: AdviseConfig) -> dict[str, Any]:
-    from tamer.models import count_parameters
-    from tamer.pipeline import evaluate_model
-
+def _success(model, tokenizer, heldout, config: RunConfig, advise: AdviseConfig) -> dict[str, Any]:
+    """Greedy accuracy and pass@1/pass@k, through the run's own evaluator (agent settings included)."""
     n = advise.samples or max(config.eval.pass_n, advise.k)
     eval_config = dataclasses.replace(config.eval, size=advise.eval_tasks, pass_k=advise.k, pass_n=n)
-    report = evaluate_model(model, tokenizer, heldout, eval_config)
+    report = evaluate_model(model, tokenizer, heldout, dataclasses.replace(config, eval=eval_config))
     return {"eval_tasks": report.num_tasks, "samples_per_task": n, "k": advise.k, "greedy_accuracy": report.accuracy,
             "pass_at_1": report.pass_k[1], "pass_at_k": report.pass_k[advise.k], "parameters": count_parameters(model)}
 
 
-def _spread_and_health(model, tokenizer, source, train, config, advise: AdviseConfig, extra):
-    """One rollout round of G samples for M prompts; reward spread and per-function health."""
-    import torch
-
-    from tamer.algorithms import zero_spread_groups
-    from tamer.models import stop_token_ids
-    from tamer.rewards import RewardComposer
-    from tamer.rollout.engine import HFEngine
-    from tamer.rollout.runner import Rollout
-    from tamer.rollout.types import SamplingParams
-    from tamer.tasks import TaskPool
-
+def _spread_config(config: RunConfig, advise: AdviseConfig) -> RunConfig:
+    """The run's config for one rollout round of G samples for M prompts (no reference, no critic)."""
     rl = config.rl
-    group = advise.group_size or rl.group_size
-    tasks = TaskPool(train, seed=rl.seed).next_batch(min(advise.spread_prompts, len(train)))
-    params = SamplingParams(n=group, temperature=rl.temperature, top_p=rl.top_p, max_new_tokens=rl.max_new_tokens,
-                            stop_token_ids=stop_token_ids(tokenizer), seed=rl.seed)
-    trajs = Rollout(HFEngine(model, tokenizer.pad_token_id), tokenizer).run(tasks, params)
-    composer = RewardComposer(config.reward, extra)
-    stats = composer.score(trajs)
+    algorithm = dataclasses.replace(rl.algorithm, advantage="grpo", kl_coef=0.0, dynamic_sampling="off")
+    rl = dataclasses.replace(rl, prompts_per_step=advise.spread_prompts, group_size=advise.group_size or rl.group_size,
+                             algorithm=algorithm, critic=dataclasses.replace(rl.critic, kl_in_reward=0.0))
+    return dataclasses.replace(config, rl=rl)
+
+
+def _spread_and_health(model, tokenizer, source, config: RunConfig, advise: AdviseConfig):
+    """One rollout round through the run's own trainer; reward spread and per-function health."""
+    trainer = make_trainer(_spread_config(config, advise), model, tokenizer)
+    tasks = trainer.pool.next_batch(min(advise.spread_prompts, len(trainer.pool.tasks)))
+    trajs = trainer.rollout.run(tasks, trainer.sampling_params(step=1))
+    stats = trainer.rewards.score(trajs)
     zero = zero_spread_groups(torch.tensor([t.reward for t in trajs]), torch.tensor([t.group_id for t in trajs]))
     probes = _probes(tasks, source, tokenizer)
-    RewardComposer(config.reward, extra).score(probes)
+    trainer.rewards.score(probes)
     health = []
     for name, weight in config.reward.weights.items():
         on_samples = sorted({round(t.rewards[name], 9) for t in trajs})
@@ -381,11 +365,8 @@ def _spread_and_health(model, tokenizer, source, train, config, advise: AdviseCo
     return float(zero.float().mean()), stats.total_mean, health
 
 
-def _probes(tasks, source, tokenizer) -> list:
+def _probes(tasks, source, tokenizer) -> list[Trajectory]:
     """Replies a reward must tell apart: the reference answer, a demonstration, a wrong answer, nothing."""
-    from tamer.rollout.types import Trajectory
-    from tamer.tasks.base import format_answer
-
     rng = random.Random(0)
     probes = []
     for i, task in enumerate(tasks):
@@ -398,7 +379,7 @@ def _probes(tasks, source, tokenizer) -> list:
     return probes
 
 
-def measure_steps(config, steps: int, reward_fns: dict[str, str] | None = None) -> dict[str, StepCost]:
+def measure_steps(config: RunConfig, steps: int) -> dict[str, StepCost]:
     """`steps` RL steps of GRPO and of PPO, each in its own process: seconds/step, peak RSS."""
     costs = {}
     with tempfile.TemporaryDirectory(prefix="tamer-advise-") as tmp:
@@ -407,71 +388,9 @@ def measure_steps(config, steps: int, reward_fns: dict[str, str] | None = None) 
                                      steps=max(steps, 1), eval_every=0, checkpoint_every=0)
             tracking = dataclasses.replace(config.tracking, console=False, tensorboard=False)
             cfg = dataclasses.replace(config, rl=rl, tracking=tracking, output_dir=str(Path(tmp) / method))
-            result = run_in_child("rl", cfg, reward_fns=reward_fns, measure_steps=steps, quiet=True)
+            result = run_in_child("rl", cfg, measure_steps=steps, quiet=True)
             times = result["step_seconds"]
             warm = times[1:] or times  # the first step pays one-off costs (allocations, caches)
             costs[method] = StepCost(method, sum(warm) / len(warm), result["peak_rss_mb"], result["baseline_rss_mb"],
                                      result["models_held"], result["trainable_parameters"])
     return costs
-
-
-# ---------------------------------------------------------------------------- command
-def _parse_reward_fns(items: Optional[list[str]]) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        name, sep, path = item.partition("=")
-        if not sep or not name.strip() or ":" not in path:
-            raise ConfigError(f"--reward-fn {item!r}: expected NAME=module:function")
-        out[name.strip()] = path.strip()
-    return out
-
-
-def advise_command(
-    config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Local Hugging Face model directory (sets model.path); default: model.tiny."),
-    reward_fn: Optional[list[str]] = typer.Option(None, "--reward-fn", help="Your own reward function, NAME=module:function (repeatable; weight 1.0 unless reward.weights names it)."),
-    k: int = typer.Option(8, "--k", help="k of pass@k."),
-    tasks: int = typer.Option(32, "--tasks", help="Held-out tasks for pass@1 and pass@k."),
-    prompts: int = typer.Option(16, "--prompts", help="Training prompts for the reward-spread round."),
-    group_size: int = typer.Option(0, "--group-size", help="Samples per prompt for the spread (0: rl.group_size)."),
-    memory_gb: Optional[float] = typer.Option(None, "--memory-gb", help="Memory budget for training, in GB (decides GRPO vs PPO)."),
-    step_measure: bool = typer.Option(True, "--step-measure/--no-step-measure", help="Time GRPO and PPO steps (each in its own process)."),
-    steps: int = typer.Option(2, "--steps", help="RL steps timed per method; the first is a warm-up when > 1."),
-    seed: Optional[int] = SeedOpt,
-    as_json: bool = typer.Option(False, "--json", help="Print the advice as one JSON object."),
-    save: Optional[Path] = typer.Option(None, "--save", help="Also write the advice as JSON to this file."),
-) -> None:
-    """Does my agent need RL, and which kind? Measures, then recommends with the numbers.
-
-    Measures data size, pass@1 and pass@k, the fraction of zero-spread reward groups, reward-function
-    health (errors, constant outputs) and the time and memory of GRPO and PPO steps; then
-    recommends: RL not needed, SFT first, fix the reward, get more data, GRPO or PPO.
-    """
-    import json
-
-    from tamer.cli import _config, _guard, console
-
-    cfg = _guard(lambda: _config(config, set_, seed, None, [f"model.path={model}"] if model else None))
-    fns = _guard(lambda: _parse_reward_fns(reward_fn))
-    options = _guard(lambda: _advise_config(k=k, eval_tasks=tasks, spread_prompts=prompts, group_size=group_size,
-                                            memory_gb=memory_gb, measure_steps=steps if step_measure else 0))
-    try:
-        advice = _guard(lambda: run_advise(cfg, options, fns))
-    except PhaseError as err:
-        console.print(f"[bold red]error:[/] {err}", soft_wrap=True)
-        raise typer.Exit(1) from None
-    if save is not None:
-        from tamer.pipeline import write_json
-
-        write_json(save, advice.to_dict())
-    if as_json:
-        print(json.dumps(advice.to_dict(), default=str))
-    else:
-        typer.echo(advice.text())
-
-
-def _advise_config(**kwargs) -> AdviseConfig:
-    try:
-        return AdviseConfig(**kwargs)
-    except ValueError as err:
-        raise ConfigError(f"advise: {err}") from None

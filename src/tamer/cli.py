@@ -1,24 +1,37 @@
-"""The `tamer` command line: demo, sft, train, eval, config, sandbox.
+"""The `tamer` command line: every command lives here; the work is done by library functions.
 
-Every training command takes `--config FILE.yaml` (the layout of `RunConfig`; see
-`tamer config show`) and any number of `--set section.field=value` overrides. The whole
-config is checked before any work starts; a bad value names its field.
+    tamer demo [--env calculator]        tiny model -> SFT -> GRPO -> held-out table
+    tamer sft | train | eval             one phase of a run
+    tamer compare | advise               GRPO vs PPO side by side; does my agent need RL, and which
+    tamer config show | list             the resolved config with each field's help; the presets
+    tamer sandbox run | check            untrusted Python in a locked-down process
+
+Every run command loads its config one way (`tamer.config.load_config`): the defaults, then
+`--config` files or presets in order, then `--set section.field=value` overrides, then
+`--seed`; `--import MODULE` first registers your own tasks, environments and rewards. The whole
+config is checked before any work starts; a bad value is one line naming its field (exit 2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import typer
-import yaml
 from rich.console import Console
 from rich.table import Table
 
-from tamer.config import ConfigError, load_config, to_dict
+from tamer.advise import AdviseConfig, run_advise
+from tamer.compare import run_compare
+from tamer.config import ConfigError, describe, from_dict, load_config
+from tamer.phases import PhaseError
+from tamer.pipeline import RunConfig, run_demo, run_eval, run_rl, run_sft, seed_overrides, write_json
+from tamer.presets import config_file, describe_preset, preset_names, preset_path
 from tamer.tasks.dataset import DatasetError
+from tamer.tools.sandbox import NETWORK_MODES, SandboxConfig, SandboxError, run_file, run_python
 
 app = typer.Typer(
     help="tamer: train LLM agents with reinforcement learning from verifiable feedback.",
@@ -26,100 +39,117 @@ app = typer.Typer(
 )
 console = Console()
 
-ConfigOpt = typer.Option(None, "--config", "-c", help="YAML file with RunConfig sections (model, task, reward, sft, rl, eval, tracking).")
-SetOpt = typer.Option(None, "--set", "-s", help="Override one field, e.g. --set rl.steps=50 --set rl.optim.lr=1e-5 (repeatable).")
-SeedOpt = typer.Option(None, "--seed", help="Seed for model init, data order and sampling (sets model.tiny.seed, sft.seed, rl.seed).")
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML file (RunConfig sections) or a preset name "
+                         "(`tamer config list`); repeatable, later files win.")
+SetOpt = typer.Option(None, "--set", "-s", help="Override one field, e.g. --set rl.steps=50 --set rl.optim.lr=1e-5; "
+                      "a mapping given whole replaces the default one (repeatable).")
+ImportOpt = typer.Option(None, "--import", help="Module or .py file imported first: registers your tasks, "
+                         "environments and rewards (repeatable; also the `plugins:` config key).")
+SeedOpt = typer.Option(None, "--seed", help="Seed for model init, data order and sampling (sets model.tiny.seed, "
+                       "sft.seed, rl.seed).")
 OutOpt = typer.Option(None, "--output-dir", "-o", help="Where metrics, checkpoints, models and summary.json go.")
+ModelOpt = typer.Option(None, "--model", "-m", help="Local Hugging Face model directory (sets model.path).")
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of a table.")
 
 
-def _config(config: Optional[Path], overrides: Optional[list[str]], seed: Optional[int], output_dir: Optional[str],
-            extra: Optional[list[str]] = None, preset: Optional[list[str]] = None):
-    from tamer.pipeline import RunConfig, with_seed
-
-    items = list(overrides or []) + list(extra or [])
-    if output_dir:
-        items.append(f"output_dir={output_dir}")
-    cfg = load_config(RunConfig, config, items, preset=preset)
-    return with_seed(cfg, seed) if seed is not None else cfg
+# ---------------------------------------------------------------------------- shared plumbing
+def load_run_config(files: Optional[list[str]] = None, overrides: Optional[list[str]] = None,
+                    imports: Optional[list[str]] = None, *, seed: Optional[int] = None,
+                    output_dir: Optional[str] = None, model: Optional[str] = None,
+                    preset: Optional[str] = None) -> RunConfig:
+    """The run config every command loads: preset < files < --set < --model/--output-dir < --seed."""
+    paths = ([preset_path(preset)] if preset else []) + [config_file(f) for f in files or []]
+    items = list(overrides or [])
+    items += [f"model.path={model}"] if model else []
+    items += [f"output_dir={output_dir}"] if output_dir else []
+    items += seed_overrides(seed) if seed is not None else []
+    return load_config(RunConfig, paths, items, plugins=imports or ())
 
 
 def _guard(job: Callable[[], Any]) -> Any:
-    """Run a job; turn config and data errors into one clear line and exit status 2."""
+    """Run a job; config and data errors become one red line and exit 2, a failed phase exit 1."""
     try:
         return job()
     except (ConfigError, DatasetError, FileNotFoundError) as err:
-        console.print(f"[bold red]error:[/] {err}", soft_wrap=True)
-        raise typer.Exit(2) from None
+        _fail(str(err), 2)
+    except PhaseError as err:
+        _fail(str(err), 1)
 
 
-def _table(title: str, rows: list[tuple[str, str]]) -> None:
+def _fail(message: str, code: int) -> NoReturn:
+    console.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
+    raise typer.Exit(code)
+
+
+def _warn(message: str) -> None:
+    console.print(f"[yellow]warning:[/] {message}", soft_wrap=True, highlight=False)
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     table = Table(title=title)
-    table.add_column("model")
-    table.add_column("held-out accuracy", justify="right")
-    for name, value in rows:
-        table.add_row(name, value)
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 
-def _agent_table(summary: dict) -> None:
-    table = Table(title=f"{summary['task']}: {summary['heldout_size']} held-out tasks")
-    for column in ("agent", "success rate", "tool calls", "cost / optimal", "error rate"):
-        table.add_column(column, justify="left" if column == "agent" else "right")
-    for name, key in (("demonstrator", "demonstrator"), ("SFT", "sft"), (f"GRPO ({summary['rl_steps']} steps)", "rl")):
-        m = summary[key]
-        table.add_row(name, *(f"{m[k]:.3f}" if m[k] is not None else "-" for k in
-                              ("success_rate", "mean_tool_calls", "mean_cost_ratio", "error_rate")))
-    console.print(table)
+def _fmt(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+# ---------------------------------------------------------------------------- run commands
 @app.command()
-def demo(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
-         env: str = typer.Option("arithmetic", "--env", "-e", help="Built-in task to demo: arithmetic, calculator, trip_planner."),
-         seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt) -> None:
+def demo(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
+         env: str = typer.Option("arithmetic", "--env", "-e", help="Built-in task to demo (preset demo-ENV): "
+                                 "arithmetic, calculator, trip_planner."),
+         imports: Optional[list[str]] = ImportOpt, seed: Optional[int] = SeedOpt,
+         output_dir: Optional[str] = OutOpt) -> None:
     """Build a tiny model, SFT it on the demonstrator, improve it with GRPO, compare on held-out tasks.
 
     Writes OUTPUT_DIR/summary.json (demonstrator, SFT and RL figures, rl_steps, seconds) and
     OUTPUT_DIR/reward_accuracy.png. Default OUTPUT_DIR: runs/demo (runs/demo-ENV for tool tasks).
     """
-    from tamer.pipeline import DEMO_PRESETS, run_demo
-
-    if env not in DEMO_PRESETS:
-        console.print(f"[bold red]error:[/] --env: unknown {env!r}; valid: {', '.join(DEMO_PRESETS)}", soft_wrap=True)
-        raise typer.Exit(2)
-    cfg = _guard(lambda: _config(config, set_, seed, output_dir, preset=DEMO_PRESETS[env]))
+    if f"demo-{env}" not in preset_names():
+        demos = [n.removeprefix("demo-") for n in preset_names() if n.startswith("demo-")]
+        _fail(f"--env: unknown {env!r}; valid: {', '.join(demos)}", 2)
+    cfg = _guard(lambda: load_run_config(config, set_, imports, seed=seed, output_dir=output_dir, preset=f"demo-{env}"))
     summary = _guard(lambda: run_demo(cfg))
     if "demonstrator" in summary:
-        _agent_table(summary)
-        console.print(f"total {summary['seconds']:.0f} s; summary: {Path(cfg.output_dir) / 'summary.json'}")
-        return
-    _table(f"{summary['task']}: held-out accuracy ({summary['heldout_size']} tasks)", [
-        ("demonstrator", f"{summary['demonstrator_accuracy']:.3f}"),
-        ("SFT", f"{summary['sft_accuracy']:.3f}"),
-        (f"GRPO ({summary['rl_steps']} steps)", f"{summary['rl_accuracy']:.3f}"),
-    ])
-    console.print(f"total {summary['seconds']:.0f} s; summary: {Path(cfg.output_dir) / 'summary.json'}; plot: {summary['plot']}")
+        keys = ("success_rate", "mean_tool_calls", "mean_cost_ratio", "error_rate")
+        rows = [[name, *(_fmt(summary[key][k]) for k in keys)] for name, key in
+                (("demonstrator", "demonstrator"), ("SFT", "sft"), (f"GRPO ({summary['rl_steps']} steps)", "rl"))]
+        _table(f"{summary['task']}: {summary['heldout_size']} held-out tasks",
+               ["agent", "success rate", "tool calls", "cost / optimal", "error rate"], rows)
+    else:
+        _table(f"{summary['task']}: held-out accuracy ({summary['heldout_size']} tasks)", ["model", "held-out accuracy"],
+               [["demonstrator", _fmt(summary["demonstrator_accuracy"])], ["SFT", _fmt(summary["sft_accuracy"])],
+                [f"GRPO ({summary['rl_steps']} steps)", _fmt(summary["rl_accuracy"])]])
+    console.print(f"total {summary['seconds']:.0f} s; summary: {Path(cfg.output_dir) / 'summary.json'}; "
+                  f"plot: {summary['plot']}")
 
 
 @app.command()
-def sft(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
-        seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt) -> None:
+def sft(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
+        imports: Optional[list[str]] = ImportOpt, seed: Optional[int] = SeedOpt,
+        output_dir: Optional[str] = OutOpt) -> None:
     """Supervised fine-tuning on the task's demonstrations; saves OUTPUT_DIR/sft/model."""
-    cfg = _guard(lambda: _config(config, set_, seed, output_dir))
-    from tamer.pipeline import run_sft
-
+    cfg = _guard(lambda: load_run_config(config, set_, imports, seed=seed, output_dir=output_dir))
     result = _guard(lambda: run_sft(cfg))
     console.print(f"SFT held-out accuracy {result['sft_accuracy']:.3f}; model saved to {result['model_path']}")
 
 
 @app.command()
-def train(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
-          model: Optional[str] = typer.Option(None, "--model", "-m", help="Local Hugging Face model directory to start from (sets model.path)."),
-          resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in OUTPUT_DIR/rl/checkpoints."),
+def train(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
+          model: Optional[str] = ModelOpt, imports: Optional[list[str]] = ImportOpt,
+          resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in "
+                                      "OUTPUT_DIR/rl/checkpoints."),
           seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt) -> None:
-    """RL with GRPO or a variant (rl.algorithm.*) against the reward functions; saves OUTPUT_DIR/rl/model."""
-    cfg = _guard(lambda: _config(config, set_, seed, output_dir, [f"model.path={model}"] if model else None))
-    from tamer.pipeline import run_rl
-
+    """RL with GRPO, a variant or PPO (rl.algorithm.*) against the reward functions; saves OUTPUT_DIR/rl/model."""
+    cfg = _guard(lambda: load_run_config(config, set_, imports, seed=seed, output_dir=output_dir, model=model))
+    if not cfg.model.path:
+        _warn("RL starts from an untrained model (no --model or model.path: a randomly initialised model.tiny); "
+              "start from an SFT model, e.g. --model OUTPUT_DIR/sft/model")
     result = _guard(lambda: run_rl(cfg, resume=resume))
     console.print(f"RL held-out accuracy {result['rl_accuracy']:.3f} after {result['rl_steps']} steps; "
                   f"model saved to {result['model_path']}")
@@ -127,46 +157,169 @@ def train(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt
 
 @app.command("eval")
 def eval_(model: str = typer.Option(..., "--model", "-m", help="Local Hugging Face model directory to evaluate."),
-          config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
-          as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table.")) -> None:
+          config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
+          imports: Optional[list[str]] = ImportOpt, as_json: bool = JsonOpt) -> None:
     """Held-out evaluation: greedy accuracy, mean completion length, pass@k (eval.pass_k)."""
-    cfg = _guard(lambda: _config(config, set_, None, None, [f"model.path={model}"]))
-    from tamer.pipeline import run_eval
-
+    cfg = _guard(lambda: load_run_config(config, set_, imports, model=model))
+    if not config and not any(item.startswith("task.") for item in set_ or []):
+        _warn(f"no --config: evaluating on the default task {cfg.task.name!r}")
     result = _guard(lambda: run_eval(cfg))
     if as_json:
         print(json.dumps(result))
         return
-    table = Table(title=f"{cfg.task.name}: {result['num_tasks']} held-out tasks")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key, value in result.items():
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
-    console.print(table)
+    rows = [[key, f"{value:.4g}" if isinstance(value, float) else str(value)] for key, value in result.items()]
+    _table(f"{cfg.task.name}: {result['num_tasks']} held-out tasks", ["metric", "value"], rows)
 
 
-config_app = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
+@app.command()
+def compare(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
+            imports: Optional[list[str]] = ImportOpt, seed: Optional[int] = SeedOpt,
+            output_dir: Optional[str] = OutOpt,
+            sft_model: Optional[str] = typer.Option(None, "--sft-model", help="Start both RL methods from this saved "
+                                                    "SFT model instead of running SFT."),
+            as_json: bool = JsonOpt,
+            quiet: bool = typer.Option(False, "--quiet", "-q", help="Hide the phases' own progress lines.")) -> None:
+    """SFT, then PPO and GRPO from the same SFT model with the same budget; compare them.
+
+    Reports per method held-out accuracy, wall-clock seconds, peak resident memory (measured,
+    each phase in its own process), models held, trainable parameters and the reward curve.
+    Writes OUTPUT_DIR/summary.json and OUTPUT_DIR/compare.png. Starts from the preset `compare`
+    (a 35.6M-parameter model, 300 SFT steps; `tamer config show -c compare`).
+    """
+    cfg = _guard(lambda: load_run_config(config, set_, imports, seed=seed, output_dir=output_dir, preset="compare"))
+    if sft_model and not (Path(sft_model) / "config.json").is_file():
+        _fail(f"--sft-model {sft_model}: not a saved model directory (no config.json)", 2)
+    summary = _guard(lambda: run_compare(cfg, sft_model=sft_model, quiet=quiet or as_json))
+    if as_json:
+        print(json.dumps(summary, default=str))
+        return
+    _compare_table(summary)
+    console.print(f"summary: {Path(cfg.output_dir) / 'summary.json'}; plot: {summary['plot']}")
+
+
+def _compare_table(summary: dict[str, Any]) -> None:
+    budget = summary["budget"]
+    rows = []
+    for row in summary["rows"].values():
+        curve = row.get("reward_curve") or []
+        rewards = f"{curve[0][1]:.3f} -> {curve[-1][1]:.3f}" if curve else "-"
+        rows.append([row["method"], _fmt(row["heldout_accuracy"]), f"{row['seconds']:.0f}", f"{row['peak_rss_mb']:.0f}",
+                     str(row["models_held"]), f"{row['trainable_parameters']:,}", rewards])
+    _table(f"{summary['task']}: SFT, then {budget['rl_steps']} RL steps x {budget['prompts_per_step']} prompts x "
+           f"{budget['group_size']} samples each", ["method", "held-out acc", "seconds", "peak RSS MB", "models held",
+                                                    "trainable params", "reward first -> last"], rows)
+    console.print(f"GRPO peak RSS / PPO peak RSS = {summary['grpo_over_ppo_peak_rss']:.2f} (each in its own process; "
+                  f"Python + torch alone: {summary['rows']['sft']['baseline_rss_mb']:.0f} MB)")
+
+
+@app.command()
+def advise(
+    config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt, model: Optional[str] = ModelOpt,
+    imports: Optional[list[str]] = ImportOpt,
+    k: int = typer.Option(8, "--k", help="k of pass@k."),
+    tasks: int = typer.Option(32, "--tasks", help="Held-out tasks for pass@1 and pass@k."),
+    prompts: int = typer.Option(16, "--prompts", help="Training prompts for the reward-spread round."),
+    group_size: int = typer.Option(0, "--group-size", help="Samples per prompt for the spread (0: rl.group_size)."),
+    memory_gb: Optional[float] = typer.Option(None, "--memory-gb", help="Memory budget for training, in GB "
+                                              "(decides GRPO vs PPO)."),
+    step_measure: bool = typer.Option(True, "--step-measure/--no-step-measure", help="Time GRPO and PPO steps "
+                                      "(each in its own process)."),
+    steps: int = typer.Option(2, "--steps", help="RL steps timed per method; the first is a warm-up when > 1."),
+    seed: Optional[int] = SeedOpt, as_json: bool = JsonOpt,
+    save: Optional[Path] = typer.Option(None, "--save", help="Also write the advice as JSON to this file."),
+) -> None:
+    """Does my agent need RL, and which kind? Measures, then recommends with the numbers.
+
+    Measures data size, pass@1 and pass@k, the fraction of zero-spread reward groups, reward-function
+    health (errors, constant outputs) and the time and memory of GRPO and PPO steps; then
+    recommends: RL not needed, SFT first, fix the reward, get more data, GRPO or PPO.
+    """
+    cfg = _guard(lambda: load_run_config(config, set_, imports, seed=seed, model=model))
+    options = _guard(lambda: from_dict(AdviseConfig, dict(
+        k=k, eval_tasks=tasks, spread_prompts=prompts, group_size=group_size, memory_gb=memory_gb,
+        measure_steps=steps if step_measure else 0), "advise"))
+    advice = _guard(lambda: run_advise(cfg, options))
+    if save is not None:
+        write_json(save, advice.to_dict())
+    if as_json:
+        print(json.dumps(advice.to_dict(), default=str))
+    else:
+        typer.echo(advice.text())
+
+
+# ---------------------------------------------------------------------------- config
+config_app = typer.Typer(help="Inspect run configs and presets.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 
 
 @config_app.command("show")
-def config_show(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt) -> None:
-    """Print the full resolved config as YAML (defaults + FILE + overrides), checked."""
-    cfg = _guard(lambda: _config(config, set_, None, None))
-    print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+def config_show(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
+                imports: Optional[list[str]] = ImportOpt) -> None:
+    """Print the full resolved config as YAML, each field with its one-line help (checked)."""
+    cfg = _guard(lambda: load_run_config(config, set_, imports))
+    print("\n".join(describe(cfg)))
 
 
-def _mount_subcommands() -> None:
-    from tamer.advise import advise_command
-    from tamer.compare import compare_command
-    from tamer.tools.sandbox_cli import sandbox_app
-
-    app.command("compare")(compare_command)
-    app.command("advise")(advise_command)
-    app.add_typer(sandbox_app, name="sandbox")
+@config_app.command("list")
+def config_list() -> None:
+    """List the presets (usable as --config NAME or --config configs/NAME.yaml)."""
+    _table("presets", ["name", "what it is for", "file"],
+           [[name, describe_preset(name), str(preset_path(name))] for name in preset_names()])
 
 
-_mount_subcommands()
+# ---------------------------------------------------------------------------- sandbox
+sandbox_app = typer.Typer(help="Run untrusted Python in a locked-down process (docs/sandbox.md).",
+                          no_args_is_help=True)
+app.add_typer(sandbox_app, name="sandbox")
+_SANDBOX = SandboxConfig()
+
+
+@sandbox_app.command("run")
+def sandbox_run(
+    file: Path = typer.Argument(..., help="Python file to run (copied into the sandbox as main.py)."),
+    timeout: float = typer.Option(_SANDBOX.timeout_s, "--timeout", help="Wall-clock limit, seconds."),
+    memory_mb: int = typer.Option(_SANDBOX.memory_mb, "--memory-mb", help="Address-space limit, MiB."),
+    network: str = typer.Option(_SANDBOX.network, "--network", help="isolate | allow"),
+    stdin_file: Path = typer.Option(None, "--stdin", help="File whose content is the program's stdin."),
+) -> None:
+    """Run FILE and print the result as one JSON object.
+
+    Exit status 0 whenever the sandbox itself worked, whatever the program did (read `ok`,
+    `exit_code`, `limit_hit` in the JSON); 2 for a bad invocation; 1 when the sandbox could not run.
+    """
+    if not file.is_file():
+        _sandbox_usage(f"no such file: {file}")
+    if network not in NETWORK_MODES:
+        _sandbox_usage(f"--network must be one of {', '.join(NETWORK_MODES)}, got {network!r}")
+    if stdin_file is not None and not stdin_file.is_file():
+        _sandbox_usage(f"no such file: {stdin_file}")
+    try:
+        config = dataclasses.replace(_SANDBOX, timeout_s=timeout, memory_mb=memory_mb, network=network)
+    except ValueError as exc:
+        _sandbox_usage(str(exc))
+    stdin = stdin_file.read_text(encoding="utf-8") if stdin_file is not None else ""
+    try:
+        result = run_file(file, config, stdin=stdin)
+    except SandboxError as exc:
+        typer.echo(f"error: sandbox failed: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(json.dumps(result.to_dict()))
+
+
+@sandbox_app.command("check")
+def sandbox_check() -> None:
+    """Run a trivial program and print which protections are in force here (JSON)."""
+    try:
+        result = run_python("print('ok')", SandboxConfig(timeout_s=10))
+    except SandboxError as exc:
+        typer.echo(f"error: sandbox failed: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(json.dumps({"ok": result.ok, "protections": list(result.protections), "warnings": list(result.warnings)}))
+
+
+def _sandbox_usage(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass, field
 from math import comb
 
+from tamer.config import FieldError
 from tamer.rewards import correctness
 from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams, Trajectory
@@ -23,15 +24,22 @@ class EvalConfig:
     """What to measure on the held-out tasks."""
 
     size: int = 400  # held-out tasks used (0: all)
-    max_new_tokens: int = 32
-    pass_k: int = 0  # 0 disables pass@k sampling
+    max_new_tokens: int = 32  # tokens per reply (per turn for agent tasks)
+    pass_k: int = 0  # k of pass@k; 0 disables pass@k sampling
     pass_n: int = 8  # samples per task for pass@k (n >= k)
-    temperature: float = 1.0  # for pass@k samples
-    seed: int = 1234
+    temperature: float = 1.0  # for pass@k samples (accuracy is greedy)
+    seed: int = 1234  # sampling seed of the pass@k samples
 
     def __post_init__(self) -> None:
+        for name in ("size", "pass_k"):
+            if getattr(self, name) < 0:
+                raise FieldError(name, f"expected >= 0, got {getattr(self, name)}")
+        if self.max_new_tokens < 1:
+            raise FieldError("max_new_tokens", f"expected >= 1, got {self.max_new_tokens}")
         if self.pass_k and self.pass_n < self.pass_k:
-            raise ValueError(f"eval.pass_n ({self.pass_n}) must be >= eval.pass_k ({self.pass_k})")
+            raise FieldError("pass_n", f"must be >= pass_k ({self.pass_k}), got {self.pass_n}")
+        if self.temperature <= 0:
+            raise FieldError("temperature", f"expected > 0 (pass@k samples), got {self.temperature}")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

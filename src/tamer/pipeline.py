@@ -1,15 +1,16 @@
 """The jobs the CLI runs, as plain functions: SFT, RL, evaluation and the full demo.
 
-    config = load_config(RunConfig, "my.yaml", ["rl.steps=50"])
+    config = load_config(RunConfig, ["my.yaml"], ["rl.steps=50"])
     summary = run_demo(config)      # tiny model -> SFT -> GRPO -> held-out table
 
 Every job writes under `config.output_dir`: metrics (JSONL + TensorBoard), models saved
-with `save_pretrained`, and a `summary.json` of the measured figures.
+with `save_pretrained`, and a `summary.json` of the measured figures. The pieces the jobs
+share (`build_policy`, `evaluate_model`, `make_trainer`) are what `tamer compare` and
+`tamer advise` call too, so every command runs a config the same way.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import time
@@ -24,102 +25,43 @@ from tamer.checkpoint import latest_checkpoint
 from tamer.config import to_dict
 from tamer.evaluate import EvalConfig, EvalReport, agent_metrics, demonstrator_accuracy, evaluate
 from tamer.models import (
-    TinyModelConfig, build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, count_parameters, load_model, save_model,
-    stop_token_ids,
+    DTYPES, ModelConfig, build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, count_parameters, load_model,
+    save_model, stop_token_ids,
 )
 from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rollout.agent import AgentConfig, AgentRollout
-from tamer.rollout.engine import HFEngine
+from tamer.rollout.engine import GenerationEngine, HFEngine
 from tamer.rollout.runner import Rollout
 from tamer.tasks import TaskConfig, get_task_source
 from tamer.tasks.base import Task, TaskSource
-from tamer.tracking import Tracker, plot_metrics
+from tamer.tracking import Tracker, TrackingConfig, plot_metrics
 from tamer.trainers.common import OptimConfig, seed_everything
 from tamer.trainers.rl import RLConfig, RLTrainer
 from tamer.trainers.sft import SFTConfig, SFTTrainer, demonstration_texts, demonstrations
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The policy: a local Hugging Face model directory, or a tiny model built from a config."""
-
-    path: str = ""  # local HF model directory; empty builds `tiny`
-    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    threads: int = 0  # torch CPU threads; 0 keeps torch's default
-    tokenizer: str = "char"  # tiny models: "char" (one token per byte) or "bpe" (trained on the task's text)
-    bpe_vocab_size: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.tokenizer not in ("char", "bpe"):
-            raise ValueError(f"model.tokenizer: expected 'char' or 'bpe', got {self.tokenizer!r}")
-
-
-@dataclass(frozen=True)
-class TrackingConfig:
-    console: bool = True
-    tensorboard: bool = True
-    console_every: int = 10  # steps between console lines when stdout is not a terminal
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """One run: model, task, rewards, the SFT and RL phases, and evaluation."""
 
-    output_dir: str = "runs/demo"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
+    output_dir: str = "runs/demo"  # where metrics, checkpoints, models and summary.json go
+    plugins: tuple[str, ...] = ()  # modules or .py files imported first: your tasks, environments, rewards
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy
+    task: TaskConfig = field(default_factory=TaskConfig)  # what to train and evaluate on
+    reward: RewardConfig = field(default_factory=RewardConfig)  # reward functions and weights
     sft: SFTConfig = field(default_factory=lambda: SFTConfig(
-        steps=500, batch_size=32, optim=OptimConfig(lr=1e-3, warmup_steps=50, schedule="cosine")))
+        steps=500, batch_size=32, optim=OptimConfig(lr=1e-3, warmup_steps=50, schedule="cosine")))  # fine-tuning
     rl: RLConfig = field(default_factory=lambda: RLConfig(
-        steps=40, prompts_per_step=16, group_size=8, max_new_tokens=32, optim=OptimConfig(lr=1e-4), eval_every=10))
-    eval: EvalConfig = field(default_factory=EvalConfig)
+        steps=40, prompts_per_step=16, group_size=8, max_new_tokens=32, optim=OptimConfig(lr=1e-4),
+        eval_every=10))  # the RL loop
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation
     agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn budgets for environment tasks
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # console and TensorBoard
 
 
-# `tamer demo --env NAME`: the settings each built-in environment's demo runs with
-# (applied before the user's own --config/--set, which win).
-DEMO_PRESETS: dict[str, list[str]] = {
-    "arithmetic": [],
-    "calculator": [
-        "task.name=calculator", "output_dir=runs/demo-calculator", "task.calculator.train_size=2000",
-        # max_turns 8: 3 steps + 3 redundant calls + the answer (at 6 the demonstrator was cut off in 7%)
-        "agent.show_tools=false", "agent.max_turns=8", "agent.max_total_tokens=768",
-        # BPE, 900 steps: with the char tokenizer and 400 steps (loss 0.22) the agent had not learned
-        # to copy the prompt's numbers into its calls (held-out success 0.00)
-        "model.tokenizer=bpe", "model.tiny.max_position_embeddings=2048", "sft.steps=900", "sft.batch_size=16",
-        "rl.steps=30", "rl.prompts_per_step=8", "rl.group_size=8", "rl.max_new_tokens=64", "rl.eval_every=10",
-        "eval.size=300", "eval.max_new_tokens=64",
-        "reward.weights={correctness: 1.0, steps: 1.0}", "reward.params={steps: {per_call: 0.05}}",
-    ],
-    "trip_planner": [
-        "task.name=trip_planner", "output_dir=runs/demo-trip_planner", "task.trip_planner.world.train_size=2000",
-        "model.tokenizer=bpe", "agent.show_tools=false", "agent.max_turns=10", "agent.max_total_tokens=640",
-        # 900 SFT steps: after 600, seed 1's agent (loss 0.08) was right greedily (0.97) but broke
-        # in 86% of its T=0.7 samples, and GRPO from it fell to 0.855; after 900 both seeds are at 1.0
-        "sft.steps=900", "sft.batch_size=16",
-        # T=0.7: at T=1.0 a 1M model's 300-token episodes break (malformed calls) far more often than greedy
-        "rl.steps=20", "rl.prompts_per_step=8", "rl.group_size=8", "rl.temperature=0.7", "rl.max_new_tokens=80",
-        # lr 3e-5: from an SFT agent already at ~1.0 success, lr 1e-4 swung held-out success between
-        # 0.73 and 1.0 from one eval to the next; 3e-5 held 1.0 in both seeds measured
-        "rl.optim.lr=3e-5", "rl.eval_every=10", "eval.size=200", "eval.max_new_tokens=80",
-        "reward.weights={correctness: 1.0, cost: 2.0, steps: 1.0}",
-        "reward.params={steps: {per_call: 0.1, free_calls: 4}}",
-    ],
-}
-
-
-def with_seed(config: RunConfig, seed: int) -> RunConfig:
-    """The same run with every random choice (init, data order, sampling) drawn from `seed`."""
-    model = dataclasses.replace(config.model, tiny=dataclasses.replace(config.model.tiny, seed=seed))
-    return dataclasses.replace(config, model=model, sft=dataclasses.replace(config.sft, seed=seed),
-                               rl=dataclasses.replace(config.rl, seed=seed))
+def seed_overrides(seed: int) -> list[str]:
+    """`--seed S`: every random choice (init, data order, sampling) drawn from S."""
+    return [f"model.tiny.seed={seed}", f"sft.seed={seed}", f"rl.seed={seed}"]
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -144,9 +86,20 @@ def tracker_for(config: RunConfig, sub: str, total_steps: int, description: str,
                    description=description, append=append, console_every=config.tracking.console_every)
 
 
-def evaluate_model(model, tokenizer, tasks: list[Task], config: EvalConfig, agent: AgentConfig = AgentConfig()) -> EvalReport:
-    rollout = Rollout(HFEngine(model, tokenizer.pad_token_id), tokenizer, agent)
-    return evaluate(rollout, tasks, config, stop_token_ids(tokenizer))
+def evaluate_model(model, tokenizer, tasks: list[Task], config: RunConfig,
+                   engine: GenerationEngine | None = None) -> EvalReport:
+    """Held-out evaluation of `model` on `tasks` with the run's eval and agent settings."""
+    engine = engine or HFEngine(model, tokenizer.pad_token_id, max_batch=config.rl.generation_batch)
+    rollout = Rollout(engine, tokenizer, config.agent)
+    return evaluate(rollout, tasks, config.eval, stop_token_ids(tokenizer))
+
+
+def make_trainer(config: RunConfig, model, tokenizer, *, tracker: Tracker | None = None,
+                 engine: GenerationEngine | None = None) -> RLTrainer:
+    """The RL trainer a run's config describes, on its task's train and held-out splits."""
+    train, heldout = get_task_source(config.task).split()
+    return RLTrainer(model, tokenizer, train, heldout, RewardComposer(config.reward), config.rl, config.eval,
+                     run_dir=Path(config.output_dir) / "rl", tracker=tracker, agent=config.agent, engine=engine)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> Path:
@@ -169,7 +122,7 @@ def run_sft(config: RunConfig, model=None, tokenizer=None, source: TaskSource | 
     with tracker_for(config, "sft", config.sft.steps, "sft") as tracker:
         data = demonstrations(source, train, tokenizer, seed=config.sft.seed, agent=config.agent)
         loss = SFTTrainer(model, tokenizer, data, config.sft).train(tracker)
-        report = evaluate_model(model, tokenizer, heldout, config.eval, config.agent)
+        report = evaluate_model(model, tokenizer, heldout, config)
         tracker.log(report.metrics(), config.sft.steps)
     out = Path(config.output_dir) / "sft"
     save_model(model, tokenizer, out / "model")
@@ -180,19 +133,16 @@ def run_sft(config: RunConfig, model=None, tokenizer=None, source: TaskSource | 
 
 
 def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = False,
-           reward_extra: dict | None = None, initial_eval: dict[str, float] | None = None) -> dict[str, Any]:
-    """RL (GRPO family) from `model` or `config.model`; saves `output_dir/rl/model`."""
+           initial_eval: dict[str, float] | None = None) -> dict[str, Any]:
+    """RL (GRPO family or PPO) from `model` or `config.model`; saves `output_dir/rl/model`."""
     if model is None:
         model, tokenizer = build_policy(config.model, config.task)
-    source = get_task_source(config.task)
-    train, heldout = source.split()
     seed_everything(config.rl.seed)
     run_dir = Path(config.output_dir) / "rl"
     checkpoint = latest_checkpoint(run_dir / "checkpoints") if resume else None
     start = time.perf_counter()
     with tracker_for(config, "rl", config.rl.steps, "rl", append=checkpoint is not None) as tracker:
-        trainer = RLTrainer(model, tokenizer, train, heldout, RewardComposer(config.reward, reward_extra),
-                            config.rl, config.eval, run_dir=run_dir, tracker=tracker, agent=config.agent)
+        trainer = make_trainer(config, model, tokenizer, tracker=tracker)
         if checkpoint is not None:
             tracker.truncate_after(trainer.resume(checkpoint))
             tracker.print(f"resumed from {checkpoint} at step {trainer.step}")
@@ -210,9 +160,8 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = Fals
 def run_eval(config: RunConfig) -> dict[str, Any]:
     """Held-out evaluation of `config.model` on `config.task`."""
     model, tokenizer = build_policy(config.model, config.task)
-    source = get_task_source(config.task)
-    _, heldout = source.split()
-    report = evaluate_model(model, tokenizer, heldout, config.eval, config.agent)
+    _, heldout = get_task_source(config.task).split()
+    report = evaluate_model(model, tokenizer, heldout, config)
     return {"accuracy": report.accuracy, "num_tasks": report.num_tasks, **report.metrics()}
 
 
@@ -264,7 +213,9 @@ def _agent_demo(config: RunConfig, model, tokenizer, source: TaskSource, eval_ta
     demo = demonstrator_agent_metrics(source, eval_tasks, tokenizer, config.agent, config.sft.seed)
     sft = run_sft(config, model, tokenizer, source)
     rl = run_rl(config, model, tokenizer, initial_eval=_as_eval(sft))
-    pick = lambda metrics, prefix: {k: metrics.get(f"{prefix}/{k}") for k in AGENT_KEYS}  # noqa: E731
+    def pick(metrics: dict, prefix: str) -> dict:
+        return {k: metrics.get(f"{prefix}/{k}") for k in AGENT_KEYS}
+
     summary = {
         "task": config.task.name, "heldout_size": len(eval_tasks),
         "demonstrator": {k: demo[k] for k in AGENT_KEYS}, "sft": pick(sft, "sft_eval"), "rl": pick(rl, "eval"),

@@ -9,8 +9,11 @@ traceback kept for the log.
     stats = composer.score(trajectories)      # sets traj.reward and traj.rewards
     stats.metrics()                           # {"reward/correctness": ..., "reward/errors": ...}
 
-Your own function: `composer = RewardComposer(config, extra={"mine": my_fn})` and put
-"mine" in `weights`.
+Your own function: register it, then name it in `weights` (from the CLI: put the module in
+`plugins:` or pass `--import my_rewards`, so the name is known before the config is checked):
+
+    @REWARDS.register("mine")
+    def mine(traj: Trajectory) -> float: ...
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tamer.config import FieldError, check_name
 from tamer.registry import Registry
 from tamer.rollout.types import Trajectory
 from tamer.tasks.base import ANSWER_RE, is_correct
-from tamer.tasks.code_check import unit_tests
 
 RewardFn = Callable[..., float]
-REWARDS: Registry[RewardFn] = Registry("reward function")
+REWARDS: Registry[RewardFn] = Registry("reward")
 
 
 @REWARDS.register("correctness")
@@ -87,25 +90,27 @@ def process_reward(traj: Trajectory) -> float:
     return sum(t.env_reward for t in traj.turns)
 
 
-# The code task's reward (the fraction of hidden unit tests passed) lives with the task, in
-# tamer/tasks/code_check.py; it is registered here because that module cannot import this one.
-REWARDS.register("unit_tests")(unit_tests)
+# The code task's reward (the fraction of hidden unit tests passed) lives with the task, which
+# needs the sandbox: registered by name here, imported on first use.
+REWARDS.register_lazy("unit_tests", "tamer.tasks.code_check:unit_tests")
 
 
 @dataclass(frozen=True)
 class RewardConfig:
     """Which reward functions to use, with weights and per-function keyword arguments."""
 
-    weights: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.1})
-    params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=lambda: {"correctness": 1.0, "format": 0.1})  # name -> weight
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> keyword arguments of that function
     default_on_error: float = 0.0  # score given when a function raises or returns NaN
 
     def __post_init__(self) -> None:
         if not self.weights:
-            raise ValueError("reward.weights: name at least one reward function")
+            raise FieldError("weights", "name at least one reward function")
+        for name in self.weights:
+            check_name("weights", name, REWARDS.names(), "reward")
         for name in self.params:
             if name not in self.weights:
-                raise ValueError(f"reward.params.{name}: no such function in reward.weights")
+                raise FieldError(f"params.{name}", "no such function in reward.weights")
 
 
 @dataclass
@@ -127,10 +132,9 @@ class RewardStats:
 class RewardComposer:
     """Weighted sum of reward functions with error isolation."""
 
-    def __init__(self, config: RewardConfig, extra: dict[str, RewardFn] | None = None) -> None:
+    def __init__(self, config: RewardConfig) -> None:
         self.config = config
-        extra = extra or {}
-        self.functions = {name: extra[name] if name in extra else REWARDS.get(name) for name in config.weights}
+        self.functions = {name: REWARDS.get(name) for name in config.weights}
         self.total_errors = 0
         self.first_traceback: str | None = None
 

@@ -29,6 +29,7 @@ import math
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterable, Mapping, Sequence
 
@@ -37,6 +38,21 @@ from rich.progress import (
     BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
 )
 from rich.table import Table
+
+from tamer.config import FieldError
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """Where metrics go besides metrics.jsonl."""
+
+    console: bool = True  # progress bar on a terminal, periodic lines elsewhere
+    tensorboard: bool = True  # TensorBoard event files under the run directory's tb/
+    console_every: int = 10  # steps between console lines when stdout is not a terminal
+
+    def __post_init__(self) -> None:
+        if self.console_every < 1:
+            raise FieldError("console_every", f"expected >= 1, got {self.console_every}")
+
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"

@@ -1,17 +1,21 @@
 """The algorithm core: advantage estimators, policy/value losses, KL estimators.
 
-Pure functions over tensors, chosen by name from registries; no I/O, no logging, no
-config objects. See advantages.py, losses.py and kl.py, and /work/shared/MATH.md.
+Pure functions over tensors, chosen by name from registries; no I/O, no logging, no config
+objects. Hyperparameters are keyword-only arguments; `bind` fixes them once from the config
+fields of the same names. Formulas, sources and where tamer departs: docs/algorithms.md.
 """
 
 from tamer.algorithms.advantages import (
     ADVANTAGES,
+    critic_advantages,
     dr_grpo,
     gae,
     get_advantage_fn,
     grpo,
+    outcome_token_rewards,
     reinforce_pp,
     rloo,
+    whiten,
     zero_spread_groups,
 )
 from tamer.algorithms.kl import KL_ESTIMATORS, kl_penalty
@@ -25,6 +29,7 @@ from tamer.algorithms.losses import (
     ppo,
     value_loss,
 )
+from tamer.registry import bind
 
 __all__ = [
     "ADVANTAGES",
@@ -32,6 +37,8 @@ __all__ = [
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "aggregate",
+    "bind",
+    "critic_advantages",
     "dr_grpo",
     "gae",
     "get_advantage_fn",
@@ -40,9 +47,11 @@ __all__ = [
     "gspo",
     "kl_penalty",
     "masked_mean",
+    "outcome_token_rewards",
     "ppo",
     "reinforce_pp",
     "rloo",
     "value_loss",
+    "whiten",
     "zero_spread_groups",
 ]

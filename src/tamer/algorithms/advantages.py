@@ -2,17 +2,19 @@
 
 Outcome estimators turn one scalar reward per trajectory into one advantage per trajectory,
 relative to the other members of its group (the N samples of one task); the trainer broadcasts
-it to every loss-masked token. They share one signature and are chosen by name:
+it to every loss-masked token. They share one call signature, take their hyperparameters as
+keywords (bound once, when the trainer is built) and are chosen by name:
 
     fn = get_advantage_fn("grpo")
-    advantages = fn(rewards, group_ids, loss_mask=loss_mask, **hp)  # (B,) float32
+    advantages = fn(rewards, group_ids, loss_mask)  # (B,), (B,), (B, T) -> (B,) float32
 
-Every estimator accepts and ignores keywords it does not use, so a trainer can pass one
-hyperparameter dict to any of them. Group ids need not be sorted, contiguous or equal-sized.
+Group ids need not be sorted, contiguous or equal-sized.
 
-`gae` is the critic-based estimator of PPO: per-token, from per-token rewards and values.
-`zero_spread_groups` finds groups that teach nothing (all rewards equal), for DAPO's
-dynamic sampling. See /work/shared/MATH.md for the formulas.
+PPO's critic-based estimator is `critic_advantages`: the outcome reward placed on each row's
+last generated token (optionally minus a per-token KL penalty), `gae` over the generated
+tokens, then advantages whitened over the batch. `zero_spread_groups` finds groups that
+teach nothing (all rewards equal), for DAPO's dynamic sampling. Formulas and sources:
+docs/algorithms.md#advantage-estimators and docs/algorithms.md#ppo-with-a-critic.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from tamer.algorithms.losses import masked_mean
 from tamer.registry import Registry
 
-AdvantageFn = Callable[..., Tensor]
+AdvantageFn = Callable[..., Tensor]  # (rewards (B,), group_ids (B,), loss_mask (B, T) | None, **hp) -> (B,)
 
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 
@@ -69,18 +72,17 @@ def _group_mean_and_size(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Te
 def grpo(
     rewards: Tensor,
     group_ids: Tensor,
-    *,
     loss_mask: Tensor | None = None,
+    *,
     eps: float = 1e-6,
     unbiased_std: bool = True,
-    **_ignored,
 ) -> Tensor:
     """GRPO: (r_i - mean_group r) / (std_group r + eps).
 
     DeepSeekMath (Shao et al., 2024). Departs: the paper does not say which std; like the
     peer trainers we use the unbiased (Bessel) one by default (`unbiased_std=False` for the
     population std). A group of size 1 has no baseline and gets advantage 0. `loss_mask`
-    is unused (accepted for a uniform signature).
+    is unused (the estimators share one call signature). docs/algorithms.md#grpo
     """
     rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
     inverse, num_groups = _group_index(group_ids)
@@ -95,19 +97,13 @@ def grpo(
 
 
 @ADVANTAGES.register("dr_grpo")
-def dr_grpo(
-    rewards: Tensor,
-    group_ids: Tensor,
-    *,
-    loss_mask: Tensor | None = None,
-    eps: float = 1e-6,
-    **_ignored,
-) -> Tensor:
+def dr_grpo(rewards: Tensor, group_ids: Tensor, loss_mask: Tensor | None = None) -> Tensor:
     """Dr. GRPO: r_i - mean_group r, no division by the std.
 
     "Understanding R1-Zero-like Training" (Liu et al., 2025), which shows the std division
     up-weights too-easy and too-hard questions. Departs: nothing (the paper's other change,
     the length normalization, lives in `aggregate(..., "seq-mean-token-sum-norm")`).
+    docs/algorithms.md#dr_grpo
     """
     rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
     mean, _ = _group_mean_and_size(rewards, group_ids)
@@ -115,18 +111,12 @@ def dr_grpo(
 
 
 @ADVANTAGES.register("rloo")
-def rloo(
-    rewards: Tensor,
-    group_ids: Tensor,
-    *,
-    loss_mask: Tensor | None = None,
-    eps: float = 1e-6,
-    **_ignored,
-) -> Tensor:
+def rloo(rewards: Tensor, group_ids: Tensor, loss_mask: Tensor | None = None) -> Tensor:
     """RLOO: r_i - mean of the other G-1 members = G/(G-1) * (r_i - mean_group r).
 
     "Back to Basics: Revisiting REINFORCE Style Optimization" (Ahmadian et al., 2024), after
     Kool et al. (2019). Departs: a group of size 1 has no "others" and gets advantage 0.
+    docs/algorithms.md#rloo
     """
     rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
     mean, size = _group_mean_and_size(rewards, group_ids)
@@ -136,21 +126,14 @@ def rloo(
 
 
 @ADVANTAGES.register("reinforce_pp")
-def reinforce_pp(
-    rewards: Tensor,
-    group_ids: Tensor,
-    *,
-    loss_mask: Tensor | None = None,
-    eps: float = 1e-6,
-    **_ignored,
-) -> Tensor:
+def reinforce_pp(rewards: Tensor, group_ids: Tensor, loss_mask: Tensor | None = None, *, eps: float = 1e-6) -> Tensor:
     """REINFORCE++ with group baseline: r_i - mean_group r, then whitened over the batch.
 
     REINFORCE++ (Hu, 2025). The whitening statistics are token-weighted, as if each
     sequence's advantage were broadcast to its tokens: a sequence weighs its number of
     loss-mask tokens (weight 1 each when `loss_mask` is None). Departs: the variance is the
     (weighted) population variance and we divide by (std + eps), as OpenRLHF does up to eps.
-    If every sequence has weight 0 the result is all zeros.
+    If every sequence has weight 0 the result is all zeros. docs/algorithms.md#reinforce_pp
     """
     rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
     mean, _ = _group_mean_and_size(rewards, group_ids)
@@ -191,6 +174,7 @@ def gae(
     Outputs are 0 at mask-0 positions and carry no gradient (they are targets).
 
     Shapes: token_rewards, values, loss_mask (B, T) -> (advantages, returns) (B, T).
+    docs/algorithms.md#gae
     """
     mask = loss_mask.bool()  # (B, T)
     rewards = token_rewards.to(values.dtype)
@@ -207,6 +191,57 @@ def gae(
         next_advantage = torch.where(on, advantage_t, next_advantage)
     returns = torch.where(mask, advantages + values, torch.zeros_like(values))
     return advantages, returns
+
+
+def outcome_token_rewards(rewards: Tensor, loss_mask: Tensor) -> Tensor:
+    """(B,) outcome rewards placed on each row's last generated token: (B, T), 0 elsewhere.
+
+    docs/algorithms.md#reward-placement. A row with no generated token gets nothing.
+    """
+    mask = loss_mask.bool()
+    last = (mask * torch.arange(mask.shape[1], device=mask.device)[None, :]).argmax(dim=1)  # (B,)
+    token_rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    token_rewards[torch.arange(len(rewards), device=mask.device), last] = rewards.float()
+    return token_rewards * mask
+
+
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-6) -> Tensor:
+    """(x − mean) / (std + eps) over the masked entries (population std); 0 where mask is 0.
+
+    docs/algorithms.md#whitening.
+    """
+    mean = masked_mean(x, mask)
+    std = masked_mean((x - mean) ** 2, mask).sqrt()
+    return torch.where(mask.bool(), (x - mean) / (std + eps), torch.zeros_like(x))
+
+
+@torch.no_grad()
+def critic_advantages(
+    rewards: Tensor,
+    values: Tensor,
+    loss_mask: Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """PPO's advantages and value targets from outcome rewards and the critic's values.
+
+    The outcome reward goes on each row's last generated token; with `kl` (per-token k1, (B, T))
+    and `kl_coef` = β every generated token also gets −β·k1 (classic RLHF-PPO puts the KL in
+    the reward, not the loss); `gae` then gives per-token advantages and returns; advantages are
+    whitened over the batch's generated tokens, as PPO implementations do (returns are not).
+
+    Shapes: rewards (B,); values, loss_mask, kl (B, T) -> (advantages, returns) (B, T).
+    docs/algorithms.md#ppo-with-a-critic
+    """
+    mask = loss_mask.float()
+    token_rewards = outcome_token_rewards(rewards, mask)
+    if kl is not None and kl_coef > 0:
+        token_rewards = token_rewards - kl_coef * kl * mask
+    advantages, returns = gae(token_rewards, values, mask, gamma=gamma, lam=lam)
+    return whiten(advantages, mask), returns
 
 
 def zero_spread_groups(rewards: Tensor, group_ids: Tensor, *, atol: float = 1e-8) -> Tensor:

@@ -10,6 +10,7 @@ Samples come from π_θ; with log r = ref_logprobs - logprobs:
     kl = kl_penalty(logprobs, ref_logprobs, "k3")  # (B, T); the caller applies loss_mask
 
 Nothing is masked here: positions outside the loss mask hold whatever the inputs give.
+docs/algorithms.md#kl-estimators has the formulas and when each is a loss or a reward term.
 """
 
 from __future__ import annotations

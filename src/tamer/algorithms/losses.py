@@ -6,13 +6,14 @@ steps are separate because the choice of aggregation is itself an algorithm choi
 (GRPO vs DAPO vs Dr. GRPO):
 
     fn = get_policy_loss_fn("ppo")
-    loss_matrix, metrics = fn(logprobs, old_logprobs, advantages, loss_mask, **hp)
+    loss_matrix, metrics = fn(logprobs, old_logprobs, advantages, loss_mask, clip_eps_low=0.2, clip_eps_high=0.28)
     loss = aggregate(loss_matrix, loss_mask, "token-mean")
 
-Every policy loss accepts and ignores keywords it does not use, so a trainer can pass one
-hyperparameter dict to any of them. Masking uses `torch.where`, never multiplication, so
-inf/NaN logprobs at padding positions reach neither the loss nor the gradient.
-See /work/shared/MATH.md for the formulas.
+Each loss takes its own hyperparameters as keywords; the trainer binds them once from the
+config fields of the same names (`rl.algorithm.clip_eps_high`, `rl.algorithm.gspo_eps_low`).
+Masking uses `torch.where`, never multiplication, so inf/NaN logprobs at padding positions
+reach neither the loss nor the gradient. Formulas and sources: docs/algorithms.md#policy-losses
+and docs/algorithms.md#aggregation.
 """
 
 from __future__ import annotations
@@ -109,7 +110,6 @@ def ppo(
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,
     dual_clip_c: float | None = None,
-    **_ignored,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate, per token: -min(ρA, clip(ρ, 1-ε_low, 1+ε_high)A).
 
@@ -121,6 +121,7 @@ def ppo(
     Shapes: logprobs, old_logprobs, loss_mask (B, T); advantages (B,) or (B, T).
     Returns the (B, T) loss matrix (0 where loss_mask == 0) and detached metrics
     clip_frac, ratio_mean, approx_kl (plus dual_clip_frac when dual clip is on).
+    docs/algorithms.md#ppo, #clip-higher, #dual-clip
     """
     mask = loss_mask.bool()  # (B, T)
     advantages = _broadcast_advantages(advantages, logprobs)  # (B, T)
@@ -147,16 +148,15 @@ def gspo(
     *,
     gspo_eps_low: float = 3e-4,
     gspo_eps_high: float = 4e-4,
-    **_ignored,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO: one importance ratio per sequence, s_i = exp(mean_t (logprobs - old_logprobs)).
 
     Group Sequence Policy Optimization (Zheng et al., 2025), in its token-level form
     ("GSPO-token"): s_{i,t} = sg[s_i] · π_θ(o_t) / sg[π_θ(o_t)], equal to s_i in value and
     in gradient for sequence-level advantages, and also defined for (B, T) advantages.
-    Clipped with GSPO's own small ε (paper: 3e-4 / 4e-4), under separate keyword names so
-    the trainer's clip_eps_* (meant for token ratios) and dual_clip_c are ignored here.
-    Departs: the mean log-ratio is clamped to ±20 before exp.
+    Clipped with GSPO's own small ε (paper: 3e-4 / 4e-4), under their own names: the token
+    ratios' clip_eps_* and dual_clip_c do not apply. Departs: the mean log-ratio is clamped to
+    ±20 before exp. docs/algorithms.md#gspo
     """
     mask = loss_mask.bool()  # (B, T)
     advantages = _broadcast_advantages(advantages, logprobs)  # (B, T)
@@ -188,6 +188,7 @@ def aggregate(
 
     Rows with no masked token contribute 0 and are left out of the sequence means; if every
     row is empty the result is a 0 that still carries the graph (backward works).
+    docs/algorithms.md#aggregation
     """
     if mode not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {mode!r}; valid modes: {', '.join(AGGREGATIONS)}")
@@ -217,7 +218,7 @@ def value_loss(
 
     PPO (Schulman et al., 2017), value clipping as in OpenAI baselines' ppo2.
     clip_eps=None gives the plain ½(V - R)². Shapes: all (B, T). Metric value_clip_frac:
-    fraction of masked tokens where the clipped term was the larger one.
+    fraction of masked tokens where the clipped term was the larger one. docs/algorithms.md#value-loss
     """
     mask = loss_mask.bool()  # (B, T)
     returns = returns.detach()

@@ -187,15 +187,6 @@ class FastDecoder:
     def for_model(cls, model: nn.Module) -> FastDecoder | None:
         return None if unsupported_reason(model) is not None else cls(model)
 
-    @classmethod
-    def cached_for(cls, model: nn.Module) -> FastDecoder | None:
-        """The decoder of `model`, built once and kept on the module (None if unsupported)."""
-        cached = model.__dict__.get("_tamer_fast_decoder", False)
-        if cached is False:
-            cached = cls.for_model(model)
-            model.__dict__["_tamer_fast_decoder"] = cached
-        return cached
-
     # ------------------------------------------------------------------ weights
     @torch.inference_mode()
     def refresh(self) -> None:

@@ -14,7 +14,7 @@ Nothing here touches the network: loading passes `local_files_only=True`.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -30,6 +30,8 @@ from transformers import (
     Qwen2Config,
 )
 from transformers.utils import logging as hf_logging
+
+from tamer.config import FieldError, check_name
 
 # Special tokens of the built-in tokenizer; the chat markers follow the ChatML convention
 # that Qwen models use, so prompts look the same on a tiny model and on a real one.
@@ -63,22 +65,49 @@ class TinyModelConfig:
     """Shape of a tiny model built from a config (no weights downloaded)."""
 
     arch: str = "qwen2"  # "qwen2" or "llama"
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 512
-    max_position_embeddings: int = 1024
-    tie_word_embeddings: bool = True
-    seed: int = 0
+    hidden_size: int = 128  # width of the residual stream
+    num_layers: int = 4  # decoder layers
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 2  # key/value heads (grouped-query attention when < num_heads)
+    intermediate_size: int = 512  # width of the gated MLP
+    max_position_embeddings: int = 1024  # longest sequence (prompt + completion)
+    tie_word_embeddings: bool = True  # the output head shares the embedding matrix
+    seed: int = 0  # random initialisation
 
     def __post_init__(self) -> None:
-        if self.arch not in ("qwen2", "llama"):
-            raise ValueError(f"model.tiny.arch: expected 'qwen2' or 'llama', got {self.arch!r}")
+        check_name("arch", self.arch, ("qwen2", "llama"), "architecture")
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise FieldError(name, f"expected >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
-            raise ValueError("model.tiny.hidden_size must be divisible by model.tiny.num_heads")
+            raise FieldError("hidden_size", f"{self.hidden_size} is not divisible by num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError("model.tiny.num_heads must be divisible by model.tiny.num_kv_heads")
+            raise FieldError("num_heads", f"{self.num_heads} is not divisible by num_kv_heads ({self.num_kv_heads})")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZERS = ("char", "bpe")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy: a local Hugging Face model directory, or a tiny model built from a config."""
+
+    path: str = ""  # local HF model directory; empty builds `tiny` (random init)
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # the tiny model's shape
+    dtype: str = "float32"  # float32 | bfloat16 | float16: weights as loaded
+    threads: int = 0  # torch CPU threads; 0 keeps torch's default
+    tokenizer: str = "char"  # tiny models: "char" (one token per byte) or "bpe" (trained on the task's text)
+    bpe_vocab_size: int = 1024  # vocabulary of the "bpe" tokenizer
+
+    def __post_init__(self) -> None:
+        check_name("dtype", self.dtype, DTYPES, "dtype")
+        check_name("tokenizer", self.tokenizer, TOKENIZERS, "tokenizer")
+        if self.threads < 0:
+            raise FieldError("threads", f"expected >= 0 (0: torch's default), got {self.threads}")
+        if self.bpe_vocab_size < 300:
+            raise FieldError("bpe_vocab_size", f"expected >= 300 (the byte alphabet and specials), got {self.bpe_vocab_size}")
 
 
 def build_char_tokenizer(extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:

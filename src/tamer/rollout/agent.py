@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from transformers import PreTrainedTokenizerBase
 
+from tamer.config import FieldError
 from tamer.models import encode_chat
 from tamer.rollout.engine import GenerationEngine
 from tamer.rollout.types import GenerationOutput, SamplingParams, Trajectory, Turn
@@ -34,15 +35,14 @@ from tamer.tasks.env import ENVIRONMENTS, Environment, StepResult
 class AgentConfig:
     """Budgets of one multi-turn episode."""
 
-    max_turns: int = 8
+    max_turns: int = 8  # assistant turns per episode
     max_total_tokens: int = 1024  # generated + environment tokens after the prompt
     show_tools: bool = True  # render tool schemas into the prompt (chat template `tools=`)
 
     def __post_init__(self) -> None:
-        if self.max_turns < 1:
-            raise ValueError(f"rollout.max_turns: expected >= 1, got {self.max_turns}")
-        if self.max_total_tokens < 1:
-            raise ValueError("rollout.max_total_tokens: expected >= 1")
+        for name in ("max_turns", "max_total_tokens"):
+            if getattr(self, name) < 1:
+                raise FieldError(name, f"expected >= 1, got {getattr(self, name)}")
 
 
 def default_env_factory(task: Task) -> Environment:

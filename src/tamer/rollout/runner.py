@@ -1,13 +1,12 @@
 """Turn tasks into trajectories: encode prompts, sample groups, record tokens and logprobs.
 
 `Rollout.run(tasks, params)` returns `params.n` trajectories per task, grouped: trajectory
-k of task j has `group_id = group_offset + j`. Single-turn tasks are multi-turn tasks
-with one turn; tasks that name an environment go through the agent loop instead.
+k of task j has `group_id = group_offset + j`. Tasks that name an environment run as multi-turn episodes
+through `AgentRollout`; the others take a single-turn path (one `generate` call per batch).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from transformers import PreTrainedTokenizerBase
@@ -66,6 +65,3 @@ class Rollout:
                 ))
         return trajectories
 
-
-def with_params(params: SamplingParams, **changes) -> SamplingParams:
-    return dataclasses.replace(params, **changes)

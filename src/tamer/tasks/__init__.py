@@ -1,31 +1,41 @@
-"""Task sources: built-in generators and the user's own datasets, chosen by name."""
+"""Task sources: built-in generators and the user's own datasets, chosen by name.
+
+The `code` task and its sandboxed `python` environment are registered lazily: their module
+(and the sandbox it needs) is imported only when a run names them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tamer.config import FieldError, check_name
 from tamer.tasks.arithmetic import ArithmeticConfig, ArithmeticTasks
 from tamer.tasks.base import TASK_SOURCES, Task, TaskPool, TaskSource, extract_answer, is_correct
 from tamer.tasks.calculator import CalculatorConfig, CalculatorTasks
-from tamer.tasks.code import CodeConfig, CodeTasks
+from tamer.tasks.code_config import CodeConfig
 from tamer.tasks.dataset import DatasetConfig, DatasetError, DatasetTasks
+from tamer.tasks.env import ENVIRONMENTS
 from tamer.tasks.trip_planner import TripPlannerConfig, TripPlannerTasks
+
+TASK_SOURCES.register_lazy("code", "tamer.tasks.code:CodeTasks")
+ENVIRONMENTS.register_lazy("python", "tamer.tasks.code:PythonEnv")
 
 
 @dataclass(frozen=True)
 class TaskConfig:
     """Which task: `arithmetic`, `calculator`, `code`, `trip_planner` (built in) or `dataset` (your files)."""
 
-    name: str = "arithmetic"
-    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
-    calculator: CalculatorConfig = field(default_factory=CalculatorConfig)
-    code: CodeConfig = field(default_factory=CodeConfig)
-    trip_planner: TripPlannerConfig = field(default_factory=TripPlannerConfig)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    name: str = "arithmetic"  # a registered task source (built in, or registered by a plugin)
+    arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)  # used when name = arithmetic
+    calculator: CalculatorConfig = field(default_factory=CalculatorConfig)  # used when name = calculator
+    code: CodeConfig = field(default_factory=CodeConfig)  # used when name = code
+    trip_planner: TripPlannerConfig = field(default_factory=TripPlannerConfig)  # used when name = trip_planner
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # used when name = dataset
 
     def __post_init__(self) -> None:
-        if self.name not in TASK_SOURCES:
-            raise ValueError(f"task.name: unknown task {self.name!r}; valid: {', '.join(TASK_SOURCES.names())}")
+        check_name("name", self.name, TASK_SOURCES.names(), "task")
+        if self.name == "dataset" and not self.dataset.path:
+            raise FieldError("dataset.path", "give the path of a JSONL, JSON or Parquet file")
 
 
 def get_task_source(config: TaskConfig) -> TaskSource:
@@ -36,7 +46,7 @@ def get_task_source(config: TaskConfig) -> TaskSource:
 
 
 __all__ = [
-    "ArithmeticConfig", "ArithmeticTasks", "CalculatorConfig", "CalculatorTasks", "CodeConfig", "CodeTasks",
+    "ArithmeticConfig", "ArithmeticTasks", "CalculatorConfig", "CalculatorTasks", "CodeConfig",
     "TripPlannerConfig", "TripPlannerTasks", "DatasetConfig", "DatasetError", "DatasetTasks",
     "TASK_SOURCES", "Task", "TaskConfig", "TaskPool", "TaskSource", "extract_answer",
     "get_task_source", "is_correct",

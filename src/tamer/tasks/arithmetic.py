@@ -18,6 +18,7 @@ import itertools
 import random
 from dataclasses import dataclass
 
+from tamer.config import FieldError
 from tamer.tasks.base import TASK_SOURCES, Task, format_answer
 
 OPERATIONS = ("+", "-", "*")
@@ -27,23 +28,25 @@ OPERATIONS = ("+", "-", "*")
 class ArithmeticConfig:
     """Problems `a op b`; `a` has `digits` digits, `b` too (one digit for `*`)."""
 
-    digits: int = 2
+    digits: int = 2  # digits of each operand (1..3)
     operations: str = "+"  # any of "+-*", e.g. "+-"
     demo_slip_rate: float = 0.6  # chance the demonstrator forgets a carry/borrow in a column
     scratchpad: bool = True  # demonstrations show their column work inside <think>
-    heldout_size: int = 400
+    heldout_size: int = 400  # problems held out for evaluation
     train_size: int = 0  # 0: every problem not held out
-    seed: int = 0
+    seed: int = 0  # which problems are held out
 
     def __post_init__(self) -> None:
         if not 1 <= self.digits <= 3:
-            raise ValueError(f"task.arithmetic.digits: expected 1..3, got {self.digits}")
+            raise FieldError("digits", f"expected 1..3, got {self.digits}")
         if not self.operations or any(op not in OPERATIONS for op in self.operations):
-            raise ValueError(f"task.arithmetic.operations: use characters from {''.join(OPERATIONS)!r}")
+            raise FieldError("operations", f"use characters from {''.join(OPERATIONS)!r}, got {self.operations!r}")
         if not 0.0 <= self.demo_slip_rate <= 1.0:
-            raise ValueError("task.arithmetic.demo_slip_rate: expected a probability in [0, 1]")
+            raise FieldError("demo_slip_rate", f"expected a probability in [0, 1], got {self.demo_slip_rate}")
         if self.heldout_size < 1:
-            raise ValueError("task.arithmetic.heldout_size: expected at least 1")
+            raise FieldError("heldout_size", f"expected at least 1, got {self.heldout_size}")
+        if self.train_size < 0:
+            raise FieldError("train_size", f"expected >= 0 (0: all the rest), got {self.train_size}")
 
 
 def _digits(n: int, width: int) -> list[int]:

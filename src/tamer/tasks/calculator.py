@@ -30,6 +30,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from tamer.config import FieldError
 from tamer.tasks.base import TASK_SOURCES, Task, extract_answer, format_answer, normalize_answer
 from tamer.tasks.env import ENVIRONMENTS
 from tamer.tasks.tool_env import ToolEnvironment
@@ -189,18 +190,17 @@ def tool_call_text(expression: str) -> str:
 class CalculatorConfig:
     """Word problems of 2-3 steps from `TEMPLATES`, solved with the `calculate` tool."""
 
-    heldout_size: int = 400
-    train_size: int = 5000
+    heldout_size: int = 400  # problems held out for evaluation
+    train_size: int = 5000  # training problems
     demo_redundant_rate: float = 0.5  # chance, after each step, that the demo recomputes one
-    seed: int = 0
+    seed: int = 0  # problem generation
 
     def __post_init__(self) -> None:
-        if self.heldout_size < 1:
-            raise ValueError(f"task.calculator.heldout_size: expected at least 1, got {self.heldout_size}")
-        if self.train_size < 1:
-            raise ValueError(f"task.calculator.train_size: expected at least 1, got {self.train_size}")
+        for name in ("heldout_size", "train_size"):
+            if getattr(self, name) < 1:
+                raise FieldError(name, f"expected at least 1, got {getattr(self, name)}")
         if not 0.0 <= self.demo_redundant_rate <= 1.0:
-            raise ValueError("task.calculator.demo_redundant_rate: expected a probability in [0, 1]")
+            raise FieldError("demo_redundant_rate", f"expected a probability in [0, 1], got {self.demo_redundant_rate}")
 
 
 @TASK_SOURCES.register("calculator")

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from tamer.tasks.base import TASK_SOURCES, Task
-from tamer.tasks.code_check import DEFAULT_TIMEOUT_S, UnitTestReward
+from tamer.tasks.code_check import UnitTestReward
+from tamer.tasks.code_config import CodeConfig
 from tamer.tasks.code_problems import PROBLEMS
 from tamer.tasks.dataset import DatasetError, iter_jsonl
 from tamer.tasks.env import ENVIRONMENTS
@@ -48,30 +49,6 @@ from tamer.tools.schema import ToolSet
 
 PROMPT = ('Write this Python function:\n\n{signature}\n    """{description}"""\n\n'
           "Reply with the complete function in a ```python code block.")
-
-
-@dataclass(frozen=True)
-class CodeConfig:
-    """Function-writing problems checked by hidden unit tests in the sandbox."""
-
-    source: str = "builtin"  # "builtin" (tamer/tasks/code_problems.py) or the path of a JSONL file
-    heldout_fraction: float = 0.2
-    timeout_s: float = DEFAULT_TIMEOUT_S  # sandbox wall clock for one completion and all its tests
-    max_workers: int = 0  # sandboxes at once in `CodeTasks.reward()` (0: one per CPU)
-    demo_mutation_rate: float = 0.1  # chance the demonstration is an off-by-one variant of the reference
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.source:
-            raise ValueError('task.code.source: expected "builtin" or the path of a JSONL file')
-        if not 0.0 < self.heldout_fraction < 1.0:
-            raise ValueError(f"task.code.heldout_fraction: expected a fraction in (0, 1), got {self.heldout_fraction}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"task.code.timeout_s: expected a positive number of seconds, got {self.timeout_s}")
-        if self.max_workers < 0:
-            raise ValueError(f"task.code.max_workers: expected >= 0 (0: one per CPU), got {self.max_workers}")
-        if not 0.0 <= self.demo_mutation_rate <= 1.0:
-            raise ValueError("task.code.demo_mutation_rate: expected a probability in [0, 1]")
 
 
 @dataclass(frozen=True)

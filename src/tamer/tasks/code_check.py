@@ -35,12 +35,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from tamer.tasks.base import Task
+from tamer.tasks.code_config import DEFAULT_TIMEOUT_S
 from tamer.tools.sandbox import SandboxConfig, SandboxPool, SandboxResult, run_python
 
 if TYPE_CHECKING:
     from tamer.rollout.types import Trajectory
-
-DEFAULT_TIMEOUT_S = 5.0  # the sandbox's wall clock for one completion and all its tests
 
 _FENCE_RE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 _SPECIAL_TOKEN_RE = re.compile(r"<\|[^|>\s]*\|>")  # <|im_end|> and the like, kept in decoded text

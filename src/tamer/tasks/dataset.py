@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from tamer.config import PATH, FieldError
 from tamer.tasks.base import TASK_SOURCES, Task, format_answer
 
 SUFFIX_TO_BUILDER = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -28,18 +29,18 @@ class DatasetError(ValueError):
 class DatasetConfig:
     """A local dataset of prompt/answer rows."""
 
-    path: str = ""
-    heldout_path: str = ""  # a separate held-out file; else `heldout_fraction` of `path`
-    prompt_column: str = "prompt"
-    answer_column: str = "answer"
+    path: str = field(default="", metadata=PATH)  # JSONL/JSON/Parquet file of rows (relative to the YAML file)
+    heldout_path: str = field(default="", metadata=PATH)  # a separate held-out file; else `heldout_fraction` of `path`
+    prompt_column: str = "prompt"  # column holding the user message
+    answer_column: str = "answer"  # column holding the reference answer
     completion_column: str = "completion"  # demonstrations for SFT, used when present
-    system_prompt: str = ""
-    heldout_fraction: float = 0.1
-    seed: int = 0
+    system_prompt: str = ""  # a system message before every prompt ("" for none)
+    heldout_fraction: float = 0.1  # share of `path`'s rows held out when there is no `heldout_path`
+    seed: int = 0  # which rows are held out
 
     def __post_init__(self) -> None:
         if not 0.0 < self.heldout_fraction < 1.0:
-            raise ValueError("task.dataset.heldout_fraction: expected a fraction in (0, 1)")
+            raise FieldError("heldout_fraction", f"expected a fraction in (0, 1), got {self.heldout_fraction}")
 
 
 def _load_rows(path: Path) -> list[dict]:

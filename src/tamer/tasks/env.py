@@ -9,14 +9,11 @@ One environment instance serves one trajectory. The rollout loop calls
 
 until `done` or the rollout's turn/token budget runs out. `info` of the last step holds the
 outcome facts reward functions read (e.g. "success", "cost", "optimal_cost").
-Environments register by name in `ENVIRONMENTS` so configs and the CLI can pick them;
-`async` callers use `areset`/`astep`, which run the sync methods in a worker thread unless
-an environment overrides them.
+Environments register by name in `ENVIRONMENTS` so configs and the CLI can pick them.
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -40,7 +37,7 @@ class Environment(Protocol):
 
 
 class BaseEnvironment:
-    """Convenience base: async wrappers around the sync API, and tool schemas (none here)."""
+    """Convenience base: the protocol's methods and tool schemas (none here)."""
 
     tools: list[dict] = []
 
@@ -49,12 +46,6 @@ class BaseEnvironment:
 
     def step(self, action: str) -> StepResult:
         raise NotImplementedError
-
-    async def areset(self, task: Task) -> str:
-        return await asyncio.to_thread(self.reset, task)
-
-    async def astep(self, action: str) -> StepResult:
-        return await asyncio.to_thread(self.step, action)
 
 
 ENVIRONMENTS: Registry = Registry("environment")

@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tamer.config import FieldError, check_name
 from tamer.tasks.base import Task, is_correct
 from tamer.tasks.env import BaseEnvironment, StepResult
 from tamer.tools.executor import ToolResult, execute, malformed
@@ -63,13 +64,12 @@ class ToolEnvConfig:
 
     def __post_init__(self) -> None:
         if self.max_tool_calls_per_turn < 1:
-            raise ValueError(f"env.max_tool_calls_per_turn: expected at least 1, got {self.max_tool_calls_per_turn}")
+            raise FieldError("max_tool_calls_per_turn", f"expected at least 1, got {self.max_tool_calls_per_turn}")
         if not self.tool_timeout_s > 0:
-            raise ValueError(f"env.tool_timeout_s: expected a positive number of seconds, got {self.tool_timeout_s}")
+            raise FieldError("tool_timeout_s", f"expected a positive number of seconds, got {self.tool_timeout_s}")
         if self.max_result_chars < 1:
-            raise ValueError(f"env.max_result_chars: expected at least 1, got {self.max_result_chars}")
-        if self.parser not in PARSERS:
-            raise ValueError(f"env.parser: unknown parser {self.parser!r}; valid: {', '.join(PARSERS.names())}")
+            raise FieldError("max_result_chars", f"expected at least 1, got {self.max_result_chars}")
+        check_name("parser", self.parser, PARSERS.names(), "tool-call parser")
 
 
 def render_responses(results: list[ToolResult]) -> str:

@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from tamer.config import FieldError
 from tamer.tasks.base import TASK_SOURCES, Task
 from tamer.tasks.env import ENVIRONMENTS, StepResult
 from tamer.tasks.tool_env import ToolEnvConfig, ToolEnvironment
@@ -65,7 +66,7 @@ class TripPlannerEnv(ToolEnvironment):
 class TripPlannerConfig:
     """Worlds and the demonstrator of the `trip_planner` task."""
 
-    world: TripWorldConfig = field(default_factory=TripWorldConfig)
+    world: TripWorldConfig = field(default_factory=TripWorldConfig)  # how worlds are generated
     demo_waste_rate: float = 0.5  # chance of redundant calls
     demo_pricier_rate: float = 0.3  # chance of booking a valid but pricier plan
     demo_hasty_rate: float = 0.0  # chance of first trying the cheapest flight when it hits a busy day
@@ -73,7 +74,7 @@ class TripPlannerConfig:
     def __post_init__(self) -> None:
         for name in ("demo_waste_rate", "demo_pricier_rate", "demo_hasty_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"task.trip_planner.{name}: expected a probability in [0, 1]")
+                raise FieldError(name, f"expected a probability in [0, 1], got {getattr(self, name)}")
 
 
 @TASK_SOURCES.register("trip_planner")

@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from tamer.config import FieldError
+
 CITIES = ("AMS", "ATH", "BER", "DUB", "LIS", "LON", "MAD", "OSL", "PAR", "PRG", "ROM", "VIE")
 TOOL_NAMES = ("search_flights", "search_hotels", "check_calendar", "book")
 MIN_TOOL_CALLS = 4  # search flights, search hotels, check the booked flight, book: each is required once
@@ -51,41 +53,41 @@ class TripWorldConfig:
     n_flights: int = 3  # options per flight search (ids F1..Fn)
     n_hotels: int = 3  # options per hotel search (ids H1..Hn)
     max_day: int = 14  # days are 1..max_day; the whole trip fits inside
-    min_nights: int = 2
-    max_nights: int = 4
+    min_nights: int = 2  # shortest stay
+    max_nights: int = 4  # longest stay
     window: int = 3  # departure window in days ("leave day 4-6")
     n_busy: int = 2  # busy calendar days; the first always falls where it can conflict
     trap_rate: float = 0.5  # share of worlds whose cheapest flight conflicts with the calendar
-    # True: ids number the results in the order a search lists them (F1 is the cheapest flight,
-    # H1 the cheapest hotel), as result pages number their options; False: ids are drawn
-    # independently of price, so an agent must find and copy the id of the entry it chose.
-    # The 1M-parameter demo model did not learn that copy in its 600 SFT steps (held-out
-    # success 0.37 with F-ids drawn at random, 0.035 with airline codes; 0.99 numbered).
-    ordered_ids: bool = True
+    # Ids number the results in the order a search lists them (F1 the cheapest flight, H1 the
+    # cheapest hotel), as result pages number their options; with False they are drawn
+    # independently of price, so an agent must find and copy the id of the entry it chose
+    # (what that costs a 1M model: docs/demos.md).
+    ordered_ids: bool = True  # ids in listed (price) order; False: drawn independently of price
     budget_slack: tuple[float, float] = (0.2, 0.6)  # budget = optimal cost * (1 + U(lo, hi))
-    heldout_size: int = 300
-    train_size: int = 3000
-    seed: int = 0
+    heldout_size: int = 300  # worlds held out for evaluation
+    train_size: int = 3000  # training worlds
+    seed: int = 0  # world generation
 
     def __post_init__(self) -> None:
         for name in ("n_flights", "n_hotels"):
             if not 2 <= getattr(self, name) <= 4:
-                raise ValueError(f"trip_world.{name}: expected 2..4 (short results), got {getattr(self, name)}")
+                raise FieldError(name, f"expected 2..4 (short results), got {getattr(self, name)}")
         if not 1 <= self.min_nights <= self.max_nights:
-            raise ValueError(f"trip_world.min_nights: expected 1..max_nights, got {self.min_nights}")
+            raise FieldError("min_nights", f"expected 1..max_nights, got {self.min_nights}")
         if self.window < 2:  # with one departure day every flight shares the calendar's fate
-            raise ValueError(f"trip_world.window: expected at least 2 days, got {self.window}")
+            raise FieldError("window", f"expected at least 2 days, got {self.window}")
         if self.window + self.max_nights > self.max_day:
-            raise ValueError(f"trip_world.max_day: {self.max_day} cannot hold a {self.window}-day window "
-                             f"plus {self.max_nights} nights")
+            raise FieldError("max_day", f"{self.max_day} cannot hold a {self.window}-day window plus "
+                                        f"{self.max_nights} nights")
         if not 1 <= self.n_busy <= self.max_day:
-            raise ValueError(f"trip_world.n_busy: expected 1..max_day, got {self.n_busy}")
+            raise FieldError("n_busy", f"expected 1..max_day, got {self.n_busy}")
         if not 0.0 <= self.trap_rate <= 1.0:
-            raise ValueError(f"trip_world.trap_rate: expected a probability in [0, 1], got {self.trap_rate}")
-        if not 0.0 <= self.budget_slack[0] <= self.budget_slack[1]:
-            raise ValueError(f"trip_world.budget_slack: expected 0 <= lo <= hi, got {self.budget_slack}")
-        if self.heldout_size < 1 or self.train_size < 1:
-            raise ValueError("trip_world.heldout_size/train_size: expected at least 1 each")
+            raise FieldError("trap_rate", f"expected a probability in [0, 1], got {self.trap_rate}")
+        if len(self.budget_slack) != 2 or not 0.0 <= self.budget_slack[0] <= self.budget_slack[1]:
+            raise FieldError("budget_slack", f"expected [lo, hi] with 0 <= lo <= hi, got {self.budget_slack}")
+        for name in ("heldout_size", "train_size"):
+            if getattr(self, name) < 1:
+                raise FieldError(name, f"expected at least 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)

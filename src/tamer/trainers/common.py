@@ -1,4 +1,4 @@
-"""Pieces both trainers share: token logprobs, padding, optimizer and LR schedule."""
+"""Pieces both trainers share: padding, seeding, the optimizer and its LR schedule."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tamer.config import FieldError, check_name
+
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -16,21 +18,24 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 class OptimConfig:
     """AdamW with warmup and a decay schedule."""
 
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0
+    lr: float = 1e-4  # peak learning rate (after warmup)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW's moment decay rates
+    warmup_steps: int = 0  # optimizer steps of linear warmup from lr/warmup_steps to lr
     schedule: str = "constant"  # constant | linear | cosine (after warmup)
     min_lr_ratio: float = 0.1  # floor of linear/cosine decay, as a fraction of lr
-    max_grad_norm: float = 1.0  # 0 disables clipping
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
-            raise ValueError(f"optim.lr: expected > 0, got {self.lr}")
-        if self.schedule not in LR_SCHEDULES:
-            raise ValueError(f"optim.schedule: expected one of {LR_SCHEDULES}, got {self.schedule!r}")
+            raise FieldError("lr", f"expected > 0, got {self.lr}")
+        check_name("schedule", self.schedule, LR_SCHEDULES, "schedule")
         if self.warmup_steps < 0:
-            raise ValueError("optim.warmup_steps: expected >= 0")
+            raise FieldError("warmup_steps", f"expected >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise FieldError("min_lr_ratio", f"expected a fraction in [0, 1], got {self.min_lr_ratio}")
+        if self.max_grad_norm < 0:
+            raise FieldError("max_grad_norm", f"expected >= 0 (0 disables clipping), got {self.max_grad_norm}")
 
 
 def make_optimizer(model: torch.nn.Module, config: OptimConfig) -> torch.optim.Optimizer:

@@ -1,13 +1,19 @@
-"""PPO's critic: a value model, its per-token values and its clipped value-loss update.
+"""PPO's critic: a value model, the advantages it gives (GAE) and its clipped value-loss update.
 
-By default the critic is a separate model as large as the policy (a copy of its
-architecture and weights with a scalar value head) — the memory GRPO saves by dropping
-it. `shared=True` puts the value head on the policy's own trunk instead (one model, two
-heads; the value loss then also trains the trunk).
+By default the critic is a separate model as large as the policy (a copy of its architecture
+and weights with a scalar value head) — the memory GRPO saves by dropping it. `shared=True`
+puts the value head on the policy's own trunk instead (one model, two heads): the value
+loss's gradient on the trunk is then stepped by the policy's optimizer, in the same step as
+the policy loss's (one combined loss, as shared actor-critic implementations do), so the
+critic must update before the policy's optimizer steps.
 
-    critic = Critic(policy, CriticConfig())
-    values = critic.values(batch)             # (B, T), no grad: V_old at rollout time
-    metrics = critic.update(batch)            # value_loss on batch.returns / batch.old_values
+The critic implements the trainer's advantage interface (`tamer.trainers.advantage`):
+
+    critic = Critic(policy, CriticConfig(), total_updates=100, micro_batch_tokens=8192)
+    critic.compute(batch)                     # batch.old_values, batch.advantages, batch.returns
+    metrics = critic.update(mini)             # one optimizer step of the value loss
+
+Formulas: docs/algorithms.md#ppo-with-a-critic.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from tamer.algorithms import value_loss
+from tamer.algorithms import critic_advantages, kl_penalty, value_loss
+from tamer.config import FieldError
 from tamer.trainers.batch import Batch, micro_batches
 from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler
 
@@ -28,21 +35,30 @@ class CriticConfig:
     """The value model of PPO and its optimisation."""
 
     shared: bool = False  # True: value head on the policy trunk; False: a separate model of the same size
-    gamma: float = 1.0
-    lam: float = 0.95
-    value_clip_eps: float = 0.2  # 0 disables value clipping
+    gamma: float = 1.0  # GAE discount per generated token
+    lam: float = 0.95  # GAE λ: 0 one-step TD, 1 Monte-Carlo returns
+    value_clip_eps: float = 0.2  # clip V around V_old by this much in the value loss; 0 disables
     kl_in_reward: float = 0.0  # β of classic RLHF-PPO: per-token −β·k1 added to the rewards
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))  # the critic's own optimizer
 
     def __post_init__(self) -> None:
-        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
-            raise ValueError("rl.critic.gamma and rl.critic.lam must be in [0, 1]")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise FieldError(name, f"expected a value in [0, 1], got {getattr(self, name)}")
         if self.value_clip_eps < 0:
-            raise ValueError("rl.critic.value_clip_eps: expected >= 0")
+            raise FieldError("value_clip_eps", f"expected >= 0 (0 disables clipping), got {self.value_clip_eps}")
+        if self.kl_in_reward < 0:
+            raise FieldError("kl_in_reward", f"expected >= 0, got {self.kl_in_reward}")
 
 
 class ValueModel(torch.nn.Module):
-    """A causal-LM trunk with a scalar head: V(token_t) for every position."""
+    """A causal-LM trunk with a scalar head: V(s_t) for every position t.
+
+    s_t is the state before token t is generated (tokens < t), so V(s_t) comes from the hidden
+    state at position t − 1, as in GAE's δ_t = r_t + γ V(s_{t+1}) − V(s_t): a value that had
+    read token t would be a baseline that depends on the action it scores. Position 0 gets 0
+    (it is never a generated token).
+    """
 
     def __init__(self, trunk: torch.nn.Module, hidden_size: int) -> None:
         super().__init__()
@@ -54,14 +70,16 @@ class ValueModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).last_hidden_state
-        return self.head(hidden.float()).squeeze(-1)  # (B, T)
+        after = self.head(hidden.float()).squeeze(-1)  # (B, T): value after reading token t
+        return torch.cat([torch.zeros_like(after[:, :1]), after[:, :-1]], dim=1)  # (B, T): V(s_t)
 
 
 class Critic:
-    """Values for GAE and a value-loss update, on a separate or a shared trunk."""
+    """PPO's advantage: values for GAE and a value-loss update, on a separate or a shared trunk."""
 
     def __init__(self, policy: PreTrainedModel, config: CriticConfig, total_updates: int, micro_batch_tokens: int) -> None:
         self.config = config
+        self.needs_reference = config.kl_in_reward > 0  # the KL penalty in the reward needs π_ref
         trunk = policy.get_decoder() if config.shared else copy.deepcopy(policy.get_decoder())
         self.model = ValueModel(trunk, policy.config.hidden_size)
         params = list(self.model.head.parameters()) if config.shared else list(self.model.parameters())
@@ -70,7 +88,12 @@ class Critic:
         self.scheduler = make_scheduler(self.optimizer, config.optim, total_updates)
         self.micro_batch_tokens = micro_batch_tokens
 
-    def parameters(self) -> list[torch.nn.Parameter]:
+    def modules(self) -> list[torch.nn.Module]:
+        """The models this advantage holds beyond the policy (none when the trunk is shared)."""
+        return [] if self.config.shared else [self.model]
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter the value loss trains (a shared trunk's are the policy's too)."""
         return list(self.model.parameters())
 
     def state_dict(self) -> dict:
@@ -81,6 +104,14 @@ class Critic:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+    def compute(self, batch: Batch) -> None:
+        """V_old, then GAE advantages (whitened) and returns for `batch` (set on it, (B, T) each)."""
+        batch.old_values = self.values(batch)
+        kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") if self.needs_reference else None
+        batch.advantages, batch.returns = critic_advantages(
+            batch.rewards, batch.old_values, batch.loss_mask, gamma=self.config.gamma, lam=self.config.lam,
+            kl=kl, kl_coef=self.config.kl_in_reward)
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:
@@ -117,5 +148,5 @@ class _Params(torch.nn.Module):
         super().__init__()
         self._plist = list(params)
 
-    def parameters(self, recurse: bool = True):  # noqa: D401 - nn.Module API
+    def parameters(self, recurse: bool = True):
         return iter(self._plist)

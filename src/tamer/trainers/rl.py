@@ -1,11 +1,11 @@
-"""The RL trainer: GRPO and its variants (and PPO, with a critic) in one loop.
+"""The RL trainer: GRPO and its variants, and PPO with a critic, in one loop.
 
 Each step follows the algorithm box of GRPO (Shao et al., 2024):
 
     1. sample prompts from the task pool
     2. roll out a group of G attempts per prompt with the current policy (π_old)
     3. score every attempt with the reward functions
-    4. compute advantages within each group (or with a critic, for PPO)
+    4. compute advantages: within each group, or with PPO's critic (one `Advantage` interface)
     5. μ inner updates of the clipped surrogate, new logprobs recomputed with gradients
     6. evaluate on held-out tasks, checkpoint, log
 
@@ -13,9 +13,10 @@ Simplifications, stated as nanochat does: the sampler and the learner share one 
 one process (`HFEngine.sync_weights` is where a separate engine would receive weights).
 Old logprobs: with one pass and one mini-batch (μ = 1, the default) the update is on-policy,
 π_old = π_θ, and the loss uses a detached copy of the learner's own logprobs (ρ = 1 exactly,
-as MATH.md and TRL do); the sampler's logprobs then only feed `train/sampler_logprob_gap`,
-which measures sampler/learner disagreement (bf16 rounding, a separate engine). With μ > 1
-old logprobs are the sampler's, or a learner forward when `recompute_old_logprobs` is set.
+docs/algorithms.md#on-policy); the sampler's logprobs then only feed
+`train/sampler_logprob_gap`, which measures sampler/learner disagreement (bf16 rounding, a
+separate engine). With μ > 1 old logprobs are the sampler's, or a learner forward when
+`recompute_old_logprobs` is set.
 
 Speed (docs/performance.md): the learner forwards each group's shared prompt once
 (`share_prompt_prefix`), the reference forward runs only when β > 0, and `precision: bf16`
@@ -34,27 +35,26 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.algorithms import (
-    ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, gae, get_advantage_fn,
-    get_policy_loss_fn, kl_penalty, masked_mean, zero_spread_groups,
+    ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, bind, get_policy_loss_fn, kl_penalty,
+    masked_mean, zero_spread_groups,
 )
 from tamer.checkpoint import load_checkpoint, save_checkpoint
+from tamer.config import FieldError, check_name
 from tamer.evaluate import EvalConfig, evaluate
-from tamer.models import stop_token_ids
+from tamer.models import PRECISIONS, autocast, shared_prefix_logprobs, stop_token_ids, token_logprobs
 from tamer.rewards import RewardComposer
 from tamer.rollout.agent import AgentConfig
-from tamer.models.logprobs import shared_prefix_logprobs, token_logprobs
-from tamer.models.precision import PRECISIONS, autocast
 from tamer.rollout.engine import GenerationEngine, HFEngine
 from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams, Trajectory
 from tamer.tasks.base import Task, TaskPool
+from tamer.trainers.advantage import Advantage, GroupAdvantage
 from tamer.trainers.batch import Batch, collate, micro_batches
+from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler
 from tamer.trainers.critic import Critic, CriticConfig
-from tamer.trainers.common import (
-    OptimConfig, clip_and_step, make_optimizer, make_scheduler,
-)
 
 DYNAMIC_SAMPLING = ("off", "drop", "refill")
+CRITIC_ADVANTAGES = ("gae",)  # estimators that need PPO's value model
 
 
 @dataclass(frozen=True)
@@ -65,46 +65,45 @@ class AlgorithmConfig:
     policy_loss: str = "ppo"  # ppo (clipped surrogate; GRPO, DAPO) | gspo
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     aggregation_constant: float = 0.0  # C for seq-mean-token-sum-norm; 0: max_new_tokens
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2  # 0.28 is DAPO's clip-higher
-    dual_clip_c: float | None = None  # e.g. 3.0 bounds the loss for negative advantages
-    gspo_eps_low: float = 3e-4
-    gspo_eps_high: float = 4e-4
+    clip_eps_low: float = 0.2  # ε_low of the clipped ratio: clip(ρ, 1 − ε_low, 1 + ε_high)
+    clip_eps_high: float = 0.2  # ε_high; 0.28 is DAPO's clip-higher
+    dual_clip_c: float | None = None  # e.g. 3.0 bounds the loss for negative advantages (> 1; null: off)
+    gspo_eps_low: float = 3e-4  # GSPO's ε_low for its sequence ratio
+    gspo_eps_high: float = 4e-4  # GSPO's ε_high
     kl_coef: float = 0.0  # β; 0 means no reference model is loaded or run
     kl_estimator: str = "k3"  # k1 | k2 | k3
     dynamic_sampling: str = "off"  # off | drop (zero-spread groups) | refill (DAPO)
-    max_refill_rounds: int = 4
+    max_refill_rounds: int = 4  # refill: extra rollout rounds per step at most
 
     def __post_init__(self) -> None:
-        checks = (("advantage", self.advantage, ADVANTAGES.names() + ["gae"]),
-                  ("policy_loss", self.policy_loss, POLICY_LOSSES.names()),
-                  ("aggregation", self.aggregation, AGGREGATIONS),
-                  ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
-                  ("dynamic_sampling", self.dynamic_sampling, DYNAMIC_SAMPLING))
-        for name, value, valid in checks:
-            if value not in valid:
-                raise ValueError(f"rl.algorithm.{name}: unknown {value!r}; valid: {', '.join(valid)}")
+        check_name("advantage", self.advantage, ADVANTAGES.names() + list(CRITIC_ADVANTAGES), "advantage estimator")
+        check_name("policy_loss", self.policy_loss, POLICY_LOSSES.names(), "policy loss")
+        check_name("aggregation", self.aggregation, AGGREGATIONS, "aggregation")
+        check_name("kl_estimator", self.kl_estimator, KL_ESTIMATORS, "KL estimator")
+        check_name("dynamic_sampling", self.dynamic_sampling, DYNAMIC_SAMPLING, "dynamic sampling mode")
         if self.kl_coef < 0:
-            raise ValueError(f"rl.algorithm.kl_coef: expected >= 0, got {self.kl_coef}")
-        if not 0 <= self.clip_eps_low < 1 or self.clip_eps_high < 0:
-            raise ValueError("rl.algorithm.clip_eps_low must be in [0, 1) and clip_eps_high >= 0")
-
-    def loss_hparams(self) -> dict[str, float | None]:
-        return {"clip_eps_low": self.clip_eps_low, "clip_eps_high": self.clip_eps_high,
-                "dual_clip_c": self.dual_clip_c, "gspo_eps_low": self.gspo_eps_low,
-                "gspo_eps_high": self.gspo_eps_high}
+            raise FieldError("kl_coef", f"expected >= 0, got {self.kl_coef}")
+        if not 0 <= self.clip_eps_low < 1:
+            raise FieldError("clip_eps_low", f"expected a value in [0, 1), got {self.clip_eps_low}")
+        for name in ("clip_eps_high", "gspo_eps_low", "gspo_eps_high", "aggregation_constant"):
+            if getattr(self, name) < 0:
+                raise FieldError(name, f"expected >= 0, got {getattr(self, name)}")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise FieldError("dual_clip_c", f"expected > 1 (or null for off), got {self.dual_clip_c}")
+        if self.max_refill_rounds < 0:
+            raise FieldError("max_refill_rounds", f"expected >= 0, got {self.max_refill_rounds}")
 
 
 @dataclass(frozen=True)
 class RLConfig:
     """The RL loop: sampling, update schedule, evaluation and checkpoints."""
 
-    steps: int = 100
-    prompts_per_step: int = 16
+    steps: int = 100  # RL steps (one rollout batch and its updates each)
+    prompts_per_step: int = 16  # tasks per step
     group_size: int = 8  # G attempts per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 32
+    temperature: float = 1.0  # sampling temperature (the learner divides its logits by it too)
+    top_p: float = 1.0  # nucleus sampling mass
+    max_new_tokens: int = 32  # tokens per reply (per turn for agent tasks)
     ppo_epochs: int = 1  # μ: passes over each batch of rollouts
     mini_batches: int = 1  # optimizer steps per pass
     micro_batch_tokens: int = 8192  # padded tokens per forward/backward (gradient accumulation)
@@ -112,33 +111,53 @@ class RLConfig:
     precision: str = "fp32"  # fp32 | bf16 (autocast for sampler and learner; fp32 weights and optimizer)
     share_prompt_prefix: bool = True  # learner: forward each group's shared prompt once, not G times
     rollout_threads: int = 0  # intra-op threads while generating; 0 = the process's setting
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    generation_batch: int = 256  # sequences generated at once (rollouts and evaluation); lower caps memory
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))  # the policy's optimizer
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # estimator, loss, aggregation, KL
     critic: CriticConfig = field(default_factory=CriticConfig)  # used when algorithm.advantage = gae
-    eval_every: int = 10  # 0: only at the end
-    checkpoint_every: int = 0  # 0: no periodic checkpoints
-    keep_checkpoints: int = 2
-    seed: int = 0
+    eval_every: int = 10  # steps between held-out evaluations; 0: only at the end
+    checkpoint_every: int = 0  # steps between checkpoints; 0: no periodic checkpoints
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    seed: int = 0  # task order and sampling
 
     def __post_init__(self) -> None:
-        for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "ppo_epochs", "mini_batches"):
+        for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "ppo_epochs", "mini_batches",
+                     "micro_batch_tokens", "keep_checkpoints", "generation_batch"):
             if getattr(self, name) < 1:
-                raise ValueError(f"rl.{name}: expected >= 1, got {getattr(self, name)}")
+                raise FieldError(name, f"expected >= 1, got {getattr(self, name)}")
         if self.temperature <= 0:
-            raise ValueError(f"rl.temperature: expected > 0 (RL samples), got {self.temperature}")
-        if self.group_size < 2 and self.algorithm.advantage in ("grpo", "dr_grpo", "rloo"):
-            raise ValueError("rl.group_size: group-relative advantages need at least 2 attempts per prompt")
+            raise FieldError("temperature", f"expected > 0 (RL samples), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise FieldError("top_p", f"expected a value in (0, 1], got {self.top_p}")
+        uses_critic = self.algorithm.advantage in CRITIC_ADVANTAGES
+        if self.group_size < 2 and not uses_critic:
+            raise FieldError("group_size", "group-relative advantages need at least 2 attempts per prompt")
+        if self.critic.kl_in_reward > 0 and not uses_critic:
+            raise FieldError("critic.kl_in_reward", "only PPO's critic (algorithm.advantage: gae) puts the KL in "
+                                                    "the reward; for GRPO-style runs use algorithm.kl_coef")
         if self.mini_batches > self.prompts_per_step * self.group_size:
-            raise ValueError("rl.mini_batches: more mini-batches than trajectories per step")
-        if self.rollout_threads < 0:
-            raise ValueError(f"rl.rollout_threads: expected >= 0 (0 = the process's setting), got {self.rollout_threads}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"rl.precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+            raise FieldError("mini_batches", "more mini-batches than trajectories per step")
+        for name in ("rollout_threads", "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise FieldError(name, f"expected >= 0, got {getattr(self, name)}")
+        check_name("precision", self.precision, PRECISIONS, "precision")
 
     @property
     def on_policy(self) -> bool:
         """One pass, one mini-batch: every update is taken at the weights that sampled."""
         return self.ppo_epochs == 1 and self.mini_batches == 1 and not self.recompute_old_logprobs
+
+    @property
+    def total_updates(self) -> int:
+        """Optimizer steps over the whole run (for the LR schedule)."""
+        return self.steps * self.ppo_epochs * self.mini_batches
+
+
+def make_advantage(config: RLConfig, policy: PreTrainedModel) -> Advantage:
+    """The advantage step `config` names: PPO's critic, or a group-relative estimator."""
+    if config.algorithm.advantage in CRITIC_ADVANTAGES:
+        return Critic(policy, config.critic, config.total_updates, config.micro_batch_tokens)
+    return GroupAdvantage(config.algorithm.advantage, config.algorithm)
 
 
 def _step_seed(seed: int, step: int, round_: int = 0) -> int:
@@ -168,26 +187,20 @@ class RLTrainer:
         self.heldout, self.rewards, self.eval_config = heldout_tasks, rewards, eval_config
         self.run_dir, self.tracker = Path(run_dir), tracker
         self.pool = TaskPool(train_tasks, seed=config.seed)
-        self.engine = engine or HFEngine(model, tokenizer.pad_token_id, precision=config.precision,
-                                        threads=config.rollout_threads)
+        self.engine = engine or HFEngine(model, tokenizer.pad_token_id, max_batch=config.generation_batch,
+                                        precision=config.precision, threads=config.rollout_threads)
         self.rollout = Rollout(self.engine, tokenizer, agent)
         self.stop_ids = stop_token_ids(tokenizer)
         self.optimizer = make_optimizer(model, config.optim)
-        self.scheduler = make_scheduler(self.optimizer, config.optim, config.steps * config.ppo_epochs * config.mini_batches)
-        needs_ref = config.algorithm.kl_coef > 0 or (self.uses_critic and config.critic.kl_in_reward > 0)
+        self.scheduler = make_scheduler(self.optimizer, config.optim, config.total_updates)
+        self.advantage = make_advantage(config, model)
+        needs_ref = config.algorithm.kl_coef > 0 or self.advantage.needs_reference
         self.ref_model = self._frozen_copy(model) if needs_ref else None
-        self.critic = Critic(model, config.critic, config.steps * config.ppo_epochs * config.mini_batches,
-                             config.micro_batch_tokens) if self.uses_critic else None
-        self.advantage_fn = None if self.uses_critic else get_advantage_fn(config.algorithm.advantage)
-        self.policy_loss_fn = get_policy_loss_fn(config.algorithm.policy_loss)
+        self.policy_loss = bind(get_policy_loss_fn(config.algorithm.policy_loss), config.algorithm)
         self.step = 0
         self.timings: dict[str, float] = {}  # seconds per phase of the current step (time/* metrics)
         self.last_eval: dict[str, float] = {}
         self._reported_reward_error = False
-
-    @property
-    def uses_critic(self) -> bool:
-        return self.config.algorithm.advantage == "gae"
 
     @staticmethod
     def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
@@ -195,6 +208,15 @@ class RLTrainer:
         for p in ref.parameters():
             p.requires_grad_(False)
         return ref
+
+    def held_models(self) -> list[torch.nn.Module]:
+        """The models this trainer keeps in memory: policy, critic (unless shared), reference."""
+        return [self.model, *self.advantage.modules(), *([self.ref_model] if self.ref_model is not None else [])]
+
+    def trainable_parameters(self) -> int:
+        """Parameters that receive updates (policy and critic), each counted once."""
+        params = [*self.model.parameters(), *self.advantage.trainable_parameters()]
+        return sum(p.numel() for p in {id(p): p for p in params if p.requires_grad}.values())
 
     # ---------------------------------------------------------------- the loop
     def train(self, initial_eval: dict[str, float] | None = None) -> dict[str, float]:
@@ -216,26 +238,24 @@ class RLTrainer:
         """One step of the algorithm box (1-5), without evaluation or checkpoints; returns its metrics.
 
         `time/*` metrics split the step: generate, score, logprobs (reference and old-logprob
-        forwards), forward_backward, optimizer; rollout_s and update_s are their two halves.
+        forwards), forward_backward, optimizer; rollout_s and update_s are its two halves.
         """
-        step = self.step + 1
-        self.timings = {}
-        t0 = time.perf_counter()
-        trajectories, metrics = self.collect(step)  # 1-3: sample, roll out, score
-        t1 = time.perf_counter()
-        if trajectories:
-            with self._timed("logprobs"):
+        step, self.timings = self.step + 1, {}
+        with self._timed("rollout"):
+            trajectories, metrics = self.collect(step)  # 1-3: sample, roll out, score
+        with self._timed("update"):
+            if trajectories:
                 batch = self.make_batch(trajectories)  # 4: advantages (+ reference logprobs)
-            metrics.update(self.update(batch, step))  # 5: μ inner updates
-            metrics.update(self._token_counts(batch))
-        else:
-            metrics["train/skipped_updates"] = 1.0
-        t2 = time.perf_counter()
+                metrics |= self.update(batch, step) | self._token_counts(batch)  # 5: μ inner updates
         self.step = step
-        metrics.update({"time/rollout_s": t1 - t0, "time/update_s": t2 - t1,
-                        "train/lr": self.scheduler.get_last_lr()[0]})
-        metrics.update({f"time/{name}_s": seconds for name, seconds in self.timings.items()})
-        return metrics
+        return metrics | self._step_metrics(skipped=not trajectories)
+
+    def _step_metrics(self, skipped: bool) -> dict[str, float]:
+        out = {f"time/{name}_s": seconds for name, seconds in self.timings.items()}
+        out["train/lr"] = self.scheduler.get_last_lr()[0]
+        if skipped:
+            out["train/skipped_updates"] = 1.0
+        return out
 
     def _token_counts(self, batch: Batch) -> dict[str, float]:
         """Tokens the step pushed through the model (for FLOP counts): sampled, prefilled, learned on."""
@@ -311,37 +331,15 @@ class RLTrainer:
         return out
 
     def make_batch(self, trajectories: list[Trajectory]) -> Batch:
-        """Collate, then group-relative advantages; reference logprobs only when β > 0."""
+        """Collate, reference (and recomputed old) logprobs when needed, then advantages."""
         batch = collate(trajectories, torch.zeros(len(trajectories)), self.tokenizer.pad_token_id)
-        if self.ref_model is not None:
-            batch.ref_logprobs = self._no_grad_logprobs(self.ref_model, batch)
-        if self.config.recompute_old_logprobs:
-            batch.old_logprobs = self._no_grad_logprobs(self.model, batch)
-        if self.critic is not None:
-            self._critic_advantages(batch)
-        else:
-            batch.advantages = self.advantage_fn(batch.rewards, batch.group_ids, loss_mask=batch.loss_mask).float()
+        with self._timed("logprobs"):
+            if self.ref_model is not None:
+                batch.ref_logprobs = self._no_grad_logprobs(self.ref_model, batch)
+            if self.config.recompute_old_logprobs:
+                batch.old_logprobs = self._no_grad_logprobs(self.model, batch)
+            self.advantage.compute(batch)
         return batch
-
-    def _critic_advantages(self, batch: Batch) -> None:
-        """PPO: outcome reward on each row's last generated token, GAE with the critic's values.
-
-        With `critic.kl_in_reward` = β, every generated token also gets −β·k1 (classic
-        RLHF-PPO puts the KL in the reward instead of the loss). Advantages are whitened over
-        the batch's generated tokens, as PPO implementations do.
-        """
-        cfg = self.config.critic
-        mask = batch.loss_mask
-        last = (mask * torch.arange(mask.shape[1])[None, :]).argmax(dim=1)  # (B,) last generated position
-        token_rewards = torch.zeros_like(mask)
-        token_rewards[torch.arange(len(batch)), last] = batch.rewards
-        if cfg.kl_in_reward > 0 and batch.ref_logprobs is not None:
-            token_rewards -= cfg.kl_in_reward * kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1") * mask
-        batch.old_values = self.critic.values(batch)
-        advantages, batch.returns = gae(token_rewards, batch.old_values, mask, gamma=cfg.gamma, lam=cfg.lam)
-        mean = masked_mean(advantages, mask)
-        std = masked_mean((advantages - mean) ** 2, mask).sqrt()
-        batch.advantages = ((advantages - mean) / (std + 1e-6)) * mask
 
     def _logprobs(self, model: PreTrainedModel, batch: Batch) -> torch.Tensor:
         """Learner logprobs (B, T) float32 of `batch` under `model`, in the configured precision."""
@@ -378,27 +376,28 @@ class RLTrainer:
         return {key: value / updates for key, value in sums.items()}
 
     def _mini_batch_step(self, mini: Batch) -> dict[str, float]:
-        alg = self.config.algorithm
-        seq_mode = alg.aggregation != "token-mean"
-        total = float((mini.loss_mask.sum(-1) > 0).sum()) if seq_mode else float(mini.loss_mask.sum())
+        """Gradients of the loss over the mini-batch's micro-batches, the advantage's own update, one step."""
+        seq_mode = self.config.algorithm.aggregation != "token-mean"
+        count = (lambda b: float((b.loss_mask.sum(-1) > 0).sum())) if seq_mode else (lambda b: float(b.loss_mask.sum()))
+        total = max(count(mini), 1.0)
         sums: dict[str, float] = {}
         for micro in micro_batches(mini, self.config.micro_batch_tokens):
-            share = float((micro.loss_mask.sum(-1) > 0).sum()) if seq_mode else float(micro.loss_mask.sum())
+            share = count(micro)  # the micro-batch's part of the mini-batch's denominator: share / total
             if share == 0:
                 continue
             with self._timed("forward_backward"):
-                loss, metrics = self._micro_loss(micro)
-                (loss * share / max(total, 1.0)).backward()
+                loss, metrics = self.loss(micro)
+                (loss * share / total).backward()
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value * share / max(total, 1.0)
+                sums[key] = sums.get(key, 0.0) + value * share / total
+        sums.update(self.advantage.update(mini))  # the critic; before the step: a shared trunk's grads join it
         with self._timed("optimizer"):
             sums["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.scheduler,
                                                     self.config.optim.max_grad_norm)
-        if self.critic is not None:
-            sums.update(self.critic.update(mini))
         return sums
 
-    def _micro_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The micro-batch's loss (policy surrogate, aggregated, + β·KL) and its metrics."""
         alg = self.config.algorithm
         constant = alg.aggregation_constant or float(self.config.max_new_tokens)
         logprobs = self._logprobs(self.model, micro)
@@ -408,12 +407,11 @@ class RLTrainer:
             old_logprobs = logprobs.detach()
             gap = (logprobs.detach() - micro.old_logprobs).abs()
             metrics["train/sampler_logprob_gap"] = float(masked_mean(gap, micro.loss_mask))
-        loss_matrix, parts = self.policy_loss_fn(logprobs, old_logprobs, micro.advantages,
-                                                 micro.loss_mask, **alg.loss_hparams())
+        loss_matrix, parts = self.policy_loss(logprobs, old_logprobs, micro.advantages, micro.loss_mask)
         loss = aggregate(loss_matrix, micro.loss_mask, alg.aggregation, constant=constant)
         metrics["train/policy_loss"] = loss.item()
         metrics.update({f"train/{k}": float(v) for k, v in parts.items()})
-        if micro.ref_logprobs is not None:
+        if micro.ref_logprobs is not None and alg.kl_coef > 0:
             kl = aggregate(kl_penalty(logprobs, micro.ref_logprobs, alg.kl_estimator), micro.loss_mask,
                            alg.aggregation, constant=constant)
             loss = loss + alg.kl_coef * kl
@@ -434,9 +432,7 @@ class RLTrainer:
 
     def save_checkpoint(self) -> Path:
         state = {"pool": self.pool.state_dict(), "reward_errors": self.rewards.total_errors,
-                 "last_eval": self.last_eval}
-        if self.critic is not None:
-            state["critic"] = self.critic.state_dict()
+                 "last_eval": self.last_eval, "advantage": self.advantage.state_dict()}
         return save_checkpoint(self.run_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
                                scheduler=self.scheduler, state=state, keep_last=self.config.keep_checkpoints,
                                tokenizer=self.tokenizer)
@@ -447,8 +443,7 @@ class RLTrainer:
         self.pool.load_state_dict(state["pool"])
         self.rewards.total_errors = state.get("reward_errors", 0)
         self.last_eval = state.get("last_eval", {})
-        if self.critic is not None and "critic" in state:
-            self.critic.load_state_dict(state["critic"])
+        self.advantage.load_state_dict(state.get("advantage", {}))
         # The reference model stays the policy this trainer was built from (the run's start).
         self.step = state["step"]
         return self.step

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from tamer.config import FieldError
 from tamer.models import encode_chat
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.tasks.base import Task, TaskSource
@@ -26,17 +27,16 @@ from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, ma
 class SFTConfig:
     """Supervised fine-tuning schedule."""
 
-    steps: int = 1000
-    batch_size: int = 64
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=50, schedule="cosine"))
-    log_every: int = 25
-    seed: int = 0
+    steps: int = 1000  # optimizer steps
+    batch_size: int = 64  # demonstrations per step
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=50, schedule="cosine"))  # AdamW + schedule
+    log_every: int = 25  # steps between logged (averaged) losses
+    seed: int = 0  # order of the demonstrations
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"sft.steps: expected >= 1, got {self.steps}")
-        if self.batch_size < 1:
-            raise ValueError(f"sft.batch_size: expected >= 1, got {self.batch_size}")
+        for name in ("steps", "batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise FieldError(name, f"expected >= 1, got {getattr(self, name)}")
 
 
 @dataclass

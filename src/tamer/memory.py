@@ -1,0 +1,41 @@
+"""Memory readings of this process, in MB: resident now and at its peak.
+
+    current_rss_mb()   # VmRSS
+    peak_rss_mb()      # VmHWM: the high-water mark since the process started
+
+Read from /proc/self/status on Linux (getrusage elsewhere). A process's peak is its own:
+to compare methods, run each in its own process (`tamer.phases.run_in_child`). On Linux a
+child's `ru_maxrss` starts from its parent's RSS at fork and `RUSAGE_CHILDREN` is a maximum
+over all children, which is why neither is used.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+
+def _proc_status_mb(key: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024  # kB -> MB
+    except OSError:
+        pass
+    return None
+
+
+def current_rss_mb() -> float:
+    """Resident set size of this process now, in MB."""
+    value = _proc_status_mb("VmRSS")
+    return value if value is not None else peak_rss_mb()
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far (VmHWM), in MB."""
+    value = _proc_status_mb("VmHWM")
+    if value is not None:
+        return value
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux/BSD, bytes on macOS
+    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
