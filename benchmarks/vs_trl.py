@@ -401,7 +401,7 @@ def same_batch(args, tmp: Path) -> None:
         loss.backward()
         return loss.item(), torch.cat([p.grad.flatten().clone() for p in model.parameters()])
 
-    tamer_loss, tamer_grad = grads(lambda: tamer._micro_loss(batch)[0])
+    tamer_loss, tamer_grad = grads(lambda: tamer.loss(batch)[0])
     trl = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=lambda completions, **_: [0.0] * len(completions),
                       args=trl_config(spec), train_dataset=__import__("datasets").Dataset.from_list(
                           [{"prompt": list(t.messages)} for t in prompts]))
@@ -434,8 +434,10 @@ def same_batch(args, tmp: Path) -> None:
 
 def sft_checkpoint(tmp: Path, seed: int) -> Path:
     """The arithmetic demo's SFT model (tamer's run_sft with the demo's defaults)."""
-    from tamer.pipeline import RunConfig, TrackingConfig, run_sft, with_seed
-    config = with_seed(RunConfig(output_dir=str(tmp / "sft-run"), tracking=TrackingConfig(console=False, tensorboard=False)), seed)
+    from tamer.config import load_config
+    from tamer.pipeline import RunConfig, run_sft, seed_overrides
+    config = load_config(RunConfig, overrides=[f"output_dir={tmp / 'sft-run'}", "tracking.console=false",
+                                               "tracking.tensorboard=false", *seed_overrides(seed)])
     return Path(run_sft(config)["model_path"])
 
 

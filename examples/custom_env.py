@@ -1,6 +1,8 @@
 """Your own tool-using environment in ~30 lines: a stock-lookup agent, trained with GRPO.
 
 Run:  .venv/bin/python examples/custom_env.py
+Or from the CLI, with this file as a plugin (it registers the `stock` task and environment):
+      .venv/bin/tamer sft --import examples/custom_env.py --set task.name=stock --set agent.show_tools=false
 """
 
 import random

@@ -20,8 +20,10 @@ from tamer.advise import (
 )
 from tamer.cli import app
 from tamer.config import load_config
-from tamer.pipeline import RunConfig, run_sft
+from tamer.pipeline import RunConfig, run_eval, run_sft
 from tamer.rewards import REWARDS
+from tamer.tasks.base import TASK_SOURCES, Task
+from tamer.tasks.env import ENVIRONMENTS, BaseEnvironment, StepResult
 
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2",
         "model.tiny.intermediate_size=64", "rl.max_new_tokens=8", "eval.max_new_tokens=8", "eval.size=16",
@@ -195,3 +197,49 @@ def test_every_rule_reports_its_numbers():
     text = advice.text()
     assert "pass@8 0.010 < 0.05" in text and "after that: GRPO" in text
     assert "GRPO 1 model(s), peak 1000 MB" in text
+
+
+# ---------------------------------------------------------------------------- advise runs the run's own config
+@ENVIRONMENTS.register("patience")
+class PatienceEnv(BaseEnvironment):
+    """Succeeds on the 10th turn whatever the agent says: success depends only on agent.max_turns (>= 10)."""
+
+    tools = [{"type": "function", "function": {"name": "wait", "description": "Wait.", "parameters": {
+        "type": "object", "properties": {}}}}]
+
+    def reset(self, task: Task) -> str:
+        self.turns = 0
+        return ""
+
+    def step(self, action: str) -> StepResult:
+        self.turns += 1
+        done = self.turns == 10
+        return StepResult(None if done else "again", done=done, info={"success": done})
+
+
+@TASK_SOURCES.register("patience")
+class PatienceTasks:
+    name = "patience"
+
+    def split(self):
+        tasks = [Task(id=f"p{i}", messages=({"role": "user", "content": f"wait {i}"},), answer="", env="patience")
+                 for i in range(300)]
+        return tasks[:250], tasks[250:]
+
+    def demonstrate(self, task, rng):
+        return "ok"
+
+    def demonstrate_turns(self, task, rng):
+        return ["ok"] * 10
+
+
+def test_advise_evaluates_with_the_runs_agent_settings():
+    """The default agent budget (8 turns) fails this task; the run's (10) succeeds: both commands must agree."""
+    items = TINY + ["task.name=patience", "agent.max_turns=10", "agent.show_tools=false", "eval.max_new_tokens=2",
+                    "rl.max_new_tokens=2", "eval.size=4"]
+    assert run_eval(load_config(RunConfig, None, items))["accuracy"] == 1.0
+    assert run_eval(load_config(RunConfig, None, items + ["agent.max_turns=8"]))["accuracy"] == 0.0
+    advice = _advise(*_sets(items), "--tasks", "4", "--prompts", "2", "--k", "2", "--group-size", "2",
+                     "--no-step-measure")
+    m = advice["measurements"]
+    assert m["greedy_accuracy"] == 1.0 and m["pass_at_1"] == 1.0 and advice["verdict"] == "rl_not_needed"

@@ -16,6 +16,9 @@ from tamer.algorithms import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
     aggregate,
+    critic_advantages,
+    outcome_token_rewards,
+    whiten,
     gae,
     get_advantage_fn,
     get_policy_loss_fn,
@@ -415,3 +418,37 @@ def test_kl_unknown_kind():
     assert KL_ESTIMATORS == ("k1", "k2", "k3")
     with pytest.raises(ValueError, match="k1, k2, k3"):
         kl_penalty(torch.zeros(1), torch.zeros(1), "k4")
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO's critic-based advantages
+# ---------------------------------------------------------------------------------------------
+
+
+def test_outcome_reward_goes_on_the_last_generated_token():
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0]])
+    placed = outcome_token_rewards(torch.tensor([2.0, -1.0, 5.0]), mask)
+    close(placed, [[0, 0, 0, 0, 2.0, 0], [0, 0, 0, -1.0, 0, 0], [0] * 6])
+
+
+def test_whiten_uses_masked_population_std():
+    x = torch.tensor([[1.0, 3.0, 100.0], [5.0, 7.0, -100.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    # masked values 1, 3, 5, 7: mean 4, population std sqrt(5)
+    close(whiten(x, mask, eps=0.0), [[-3 / 5 ** 0.5, -1 / 5 ** 0.5, 0.0], [1 / 5 ** 0.5, 3 / 5 ** 0.5, 0.0]], atol=1e-6)
+
+
+def test_critic_advantages_by_hand():
+    # One row, tokens 1..2 generated, reward 1 on token 2, values V1 = 0.5, V2 = 0.25, γ = 1, λ = 0.5.
+    # δ2 = 1 − 0.25 = 0.75; δ1 = 0 + 0.25 − 0.5 = −0.25; Â2 = 0.75; Â1 = −0.25 + 0.5·0.75 = 0.125.
+    # returns = Â + V: 0.625, 1.0. KL in reward (β = 0.1, k1 = [0.2, 0.4]) subtracts 0.02, 0.04 first.
+    values = torch.tensor([[0.0, 0.5, 0.25]])
+    mask = torch.tensor([[0, 1, 1]])
+    adv, ret = critic_advantages(torch.tensor([1.0]), values, mask, gamma=1.0, lam=0.5)
+    close(ret, [[0.0, 0.625, 1.0]])
+    raw = torch.tensor([0.125, 0.75])
+    close(adv, [[0.0, *((raw - raw.mean()) / (raw.std(unbiased=False) + 1e-6)).tolist()]], atol=1e-6)
+    kl = torch.tensor([[9.0, 0.2, 0.4]])  # position 0 is not generated: its KL is ignored
+    _, ret_kl = critic_advantages(torch.tensor([1.0]), values, mask, gamma=1.0, lam=0.5, kl=kl, kl_coef=0.1)
+    # δ2 = 0.96 − 0.25 = 0.71; δ1 = −0.02 + 0.25 − 0.5 = −0.27; Â1 = −0.27 + 0.355 = 0.085
+    close(ret_kl, [[0.0, 0.585, 0.96]], atol=1e-6)

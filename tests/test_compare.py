@@ -67,6 +67,7 @@ def test_rl_phase_counts_models_and_trainable_parameters(tmp_path, method, model
     assert result["trainable_parameters"] == copies * policy + value_head  # PPO: a critic as large as the policy
 
 
+@pytest.mark.slow  # three child Python processes (SFT, GRPO, PPO)
 def test_compare_end_to_end_writes_summary_and_plot(tmp_path):
     out = tmp_path / "cmp"
     args = [arg for item in TINY for arg in ("--set", item)]

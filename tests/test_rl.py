@@ -173,3 +173,19 @@ def test_raising_reward_is_logged_once_and_training_goes_on(tiny_model, tokenize
     RLTrainer(tiny_model, tokenizer, train, held, rewards, cfg, EVAL, run_dir=tmp_path, tracker=log).train()
     assert len(log.printed) == 1 and "KeyError: 'missing field'" in log.printed[0]
     assert log.records[2]["reward/errors_total"] == 8
+
+
+def test_critic_value_of_a_token_is_read_before_the_token(tiny_model):
+    """V(s_t) must not depend on token t (it is the baseline of that action), only on tokens < t."""
+    from tamer.trainers.critic import ValueModel
+
+    critic = ValueModel(tiny_model.get_decoder(), tiny_model.config.hidden_size)
+    torch.nn.init.normal_(critic.head.weight)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    changed = ids.clone()
+    changed[0, 3] = 42
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        a, b = critic(ids, mask), critic(changed, mask)
+    assert a[0, 0] == 0 and torch.equal(a[0, :4], b[0, :4])  # positions <= 3 have not read token 3
+    assert not torch.equal(a[0, 4], b[0, 4])

@@ -26,7 +26,7 @@ def token_logprobs(
 ) -> torch.Tensor:
     """log π(token_t | tokens_<t) for every position; position 0 gets 0. Shape (B, T) float32.
 
-    Logits are divided by the sampling temperature, as the sampler did (MATH.md), and the
+    Logits are divided by the sampling temperature, as the sampler did (docs/algorithms.md#temperature), and the
     log-softmax is taken as logit - logsumexp to avoid materialising a (B, T, V) log-softmax.
     Llama/Qwen2-family models run `FastDecoder.forward` (the same maths, fewer ops); others
     the HF forward.
@@ -58,7 +58,8 @@ def shared_prefix_logprobs(
     The G rows of a group share their prompt: its keys and values are computed once (with
     gradients) and indexed out to the rows, which then forward only their completions. The
     result, and its gradient, equal `token_logprobs` up to float rounding; the learner skips
-    (G − 1)/G of the prompt tokens. Prompt positions get 0, as in `token_logprobs`.
+    (G − 1)/G of the prompt tokens. Prompt positions get 0 (`token_logprobs` gives their real
+    logprobs there; no loss reads them). docs/algorithms.md#shared-prompt-prefix
     """
     device = input_ids.device
     uniq, inverse = torch.unique(prefix_index, return_inverse=True)  # (U,), (B,)

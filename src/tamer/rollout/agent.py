@@ -11,7 +11,7 @@ tokens that were sampled. Generation is batched across every live trajectory of 
 task at each turn; the first turn samples all `n` attempts from one shared prompt prefix, and
 later turns prefill only what is new since the last turn (`SamplingParams.reuse_prefix`).
 
-A single-turn task is the same loop with an environment that ends after one turn.
+Single-turn tasks (no environment) do not come here: `Rollout` samples them in one `generate` call.
 """
 
 from __future__ import annotations
