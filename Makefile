@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo test test-all lint clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,9 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
