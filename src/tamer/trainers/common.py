@@ -150,6 +150,11 @@ def shared_prefix_logprobs(
     prompt_ids = input_ids[first].gather(1, src) * prompt_mask
     prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     fast = FastDecoder.for_model(model)
+    if fast is None and model.training and torch.is_grad_enabled() and \
+            any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        # HF's checkpointed layers drop the KV cache (use_cache=False), so the prompt cannot be shared.
+        completion = torch.arange(input_ids.shape[1], device=device)[None, :] >= prompt_lengths.to(device)[:, None]
+        return token_logprobs(model, input_ids, attention_mask, temperature) * (completion & attention_mask.bool())
     if fast is not None:
         out_logits, kvs = fast.forward(prompt_ids, prompt_mask, prompt_pos, return_kv=True, last_only=True)
         past = [(k[inverse], v[inverse]) for k, v in kvs]  # the prompt's KV, one copy per row
