@@ -279,3 +279,26 @@ def test_sampled_multi_turn_tokens_are_what_the_learner_scores(family):
         assert len(traj.turns) == 3
         masked = tokenizer.decode([t for t, m in zip(traj.completion_ids, traj.loss_mask) if m == 0])
         assert masked.count("result 1") == 1 and masked.count("result 2") == 1
+
+
+def test_cli_demo_in_another_tool_format(tmp_path):
+    """`--set agent.tool_format=llama3_json`: the demonstrations are replayed (and the agent trained)
+    in Llama's JSON format; a Hermes parser would see no calls and the demonstrator would fail."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tamer.cli import app
+
+    out = tmp_path / "calc"
+    args = ["demo", "--env", "calculator", "-o", str(out), "--set", "agent.tool_format=llama3_json",
+            "--set", "task.calculator.train_size=24", "--set", "task.calculator.heldout_size=4",
+            "--set", "model.tiny.hidden_size=32", "--set", "model.tiny.num_layers=1", "--set", "model.tiny.intermediate_size=64",
+            "--set", "sft.steps=2", "--set", "sft.batch_size=4", "--set", "rl.steps=1", "--set", "rl.prompts_per_step=2",
+            "--set", "rl.group_size=2", "--set", "rl.max_new_tokens=8",
+            "--set", "eval.size=4", "--set", "eval.max_new_tokens=8", "--set", "tracking.tensorboard=false"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["agent"]["tool_format"] == "llama3_json"
+    assert summary["demonstrator"]["success_rate"] == 1.0 and summary["demonstrator"]["error_rate"] == 0.0

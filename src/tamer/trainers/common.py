@@ -104,8 +104,8 @@ def token_logprobs(
 
     Logits are divided by the sampling temperature, as the sampler did (MATH.md), and the
     log-softmax is taken as logit - logsumexp to avoid materialising a (B, T, V) log-softmax.
-    Llama/Qwen2-family models run `FastDecoder.forward` (the same maths, fewer ops); others
-    the HF forward.
+    Models `FastDecoder` covers (Llama, Qwen2/3, Mistral, Gemma/Gemma2) run its `forward` (the
+    same maths, fewer ops); others the HF forward.
     """
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     fast = FastDecoder.for_model(model)
