@@ -94,7 +94,7 @@ def test_tool_parser_and_environment_registries_are_checked():
     from tamer.tasks.tool_env import ToolEnvConfig
     from tamer.config import from_dict
 
-    with pytest.raises(ConfigError, match="env.parser: unknown tool-call parser 'xml'; valid: hermes"):
+    with pytest.raises(ConfigError, match="env.parser: unknown tool-call format .xml.; valid: hermes"):
         from_dict(ToolEnvConfig, {"parser": "xml"}, "env")
     assert {"calculator", "trip_planner", "python"} <= set(ENVIRONMENTS.names())
 

@@ -1,4 +1,4 @@
-"""FastDecoder (rollout/fast_forward.py) computes what the HF forward computes, or is not used."""
+"""FastDecoder (models/fast_forward.py) computes what the HF forward computes, or is not used."""
 
 import pytest
 import torch
@@ -120,21 +120,12 @@ def test_learner_logprobs_and_gradients_equal_hf(tokenizer, arch, monkeypatch):
             torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("change", ["rope_scaling", "sliding_window", "activation", "dropout", "mlp_bias"])
+@pytest.mark.parametrize("change", ["dropout", "mlp_bias"])
 def test_unsupported_config_falls_back_to_hf(tokenizer, change):
+    """More unsupported configurations, built from their configs, in tests/test_fast_arch.py."""
     model = _model(tokenizer, "llama" if change == "mlp_bias" else "qwen2")
     config = model.config
-    if change == "rope_scaling":
-        config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
-    elif change == "sliding_window":
-        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
-        config.sliding_window = 4
-        model.model.has_sliding_layers = True
-        for layer in model.model.layers:
-            layer.self_attn.sliding_window = 4
-    elif change == "activation":
-        config.hidden_act = "gelu"
-    elif change == "dropout":
+    if change == "dropout":
         config.attention_dropout = 0.1
     else:
         config.mlp_bias = True

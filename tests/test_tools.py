@@ -272,7 +272,7 @@ def test_environment_limits_calls_per_turn_and_never_raises():
 
 
 def test_config_validation_names_the_field():
-    with pytest.raises(ValueError, match="^parser: unknown tool-call parser"):
+    with pytest.raises(ValueError, match="^parser: unknown tool-call format"):
         ToolEnvConfig(parser="nope")
     with pytest.raises(ValueError, match="^max_tool_calls_per_turn: "):
         ToolEnvConfig(max_tool_calls_per_turn=0)

@@ -70,14 +70,23 @@ def build_policy(config: ModelConfig, task: TaskConfig | None = None) -> tuple[P
     if config.threads:
         torch.set_num_threads(config.threads)
     if config.path:
-        return load_model(config.path, dtype=DTYPES[config.dtype])
+        return with_checkpointing(load_model(config.path, dtype=DTYPES[config.dtype]), config)
     tokenizer = build_char_tokenizer()
     if config.tokenizer == "bpe":
         if task is None:
             raise ValueError("model.tokenizer=bpe needs the task whose text it is trained on")
         source = get_task_source(task)
         tokenizer = build_bpe_tokenizer(demonstration_texts(source, source.split()[0], tokenizer), config.bpe_vocab_size)
-    return build_tiny_model(tokenizer, config.tiny).to(DTYPES[config.dtype]), tokenizer
+    return with_checkpointing((build_tiny_model(tokenizer, config.tiny).to(DTYPES[config.dtype]), tokenizer), config)
+
+
+def with_checkpointing(policy: tuple[PreTrainedModel, PreTrainedTokenizerBase], config: ModelConfig) -> tuple:
+    """`policy` with HF's gradient checkpointing on when `model.gradient_checkpointing` (the lean
+    learner forward follows HF's per-layer flags)."""
+    if config.gradient_checkpointing:
+        enable = getattr(policy[0], "activation_checkpointing_enable", None)  # transformers >= 5
+        enable() if enable else policy[0].gradient_checkpointing_enable({"use_reentrant": False})
+    return policy
 
 
 def tracker_for(config: RunConfig, sub: str, total_steps: int, description: str, append: bool = False) -> Tracker:

@@ -1,4 +1,4 @@
-"""A lean forward for Llama/Qwen2-family decoders: the same maths as transformers, fewer ops.
+"""A lean forward for Llama-family decoders: the same maths as transformers, fewer ops.
 
 At ~1M parameters a decode step is bound by per-operation overhead, not by FLOPs: the HF
 forward runs a module tree, rotary tables recomputed from `inv_freq`, transformers' mask
@@ -6,17 +6,20 @@ creation and a growing cache per token. `FastDecoder` runs the same computation 
 torch ops:
 
 * embedding, `F.rms_norm`, one fused QKV matmul (+ bias for Qwen2), one fused gate/up
-  matmul, SiLU-gated MLP, final norm, tied or untied `lm_head`;
-* RoPE from cos/sin tables precomputed once (the same float32 values HF computes per call),
-  applied to queries and keys in one go;
+  matmul, gated MLP, final norm, tied or untied `lm_head`, and the variants of Qwen3, Mistral,
+  Gemma and Gemma2 (`fast_arch`: q/k norms, sliding windows, (1 + w) norms, GeGLU, embedding
+  scale, sandwich norms, soft-capping);
+* RoPE from cos/sin tables precomputed once (the same float32 values HF computes per call,
+  scaled RoPE included), applied to queries and keys in one go;
 * a KV buffer preallocated for prompt + completion and written in place (`KVBuffer`);
 * `scaled_dot_product_attention` with a boolean mask built here (left padding, holes of
   assembled multi-turn prefixes) and GQA by packing a decode step's query heads per KV head;
 * prefill returns only the last position's logits.
 
 `FastDecoder.for_model(model)` returns None for anything it cannot prove equal to HF
-(another architecture, scaled RoPE, sliding windows in use, another activation, attention
-dropout, wrapped or biased projections); the engine then keeps the HF forward. The fused
+(`fast_arch.unsupported_reason` says why: another architecture, dynamic RoPE, another
+activation, attention dropout, wrapped or biased projections); the engine and the learner then
+keep the HF forward. The fused
 weights are a snapshot: `refresh()` rebuilds them when any parameter changed in place
 (`Tensor._version`, which optimizer steps and `load_state_dict` bump) or was replaced, so
 the engine never samples from stale weights. `forward()` is the differentiable variant for
@@ -25,61 +28,16 @@ the learner: it reads the live parameters (no snapshot) and returns every positi
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
-SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
-
-
-def unsupported_reason(model: nn.Module) -> str | None:
-    """Why `model` cannot take the fast path, or None if it can."""
-    config = getattr(model, "config", None)
-    arch = getattr(config, "model_type", None)
-    if arch not in SUPPORTED or type(model).__name__ != SUPPORTED[arch]:
-        return f"architecture {arch!r} ({type(model).__name__})"
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default" or getattr(config, "rope_scaling", None) not in (None, {}, rope):
-        return f"rope {rope!r}"
-    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
-        return "sliding-window layers"
-    if getattr(config, "hidden_act", None) != "silu":
-        return f"activation {config.hidden_act!r}"
-    if float(getattr(config, "attention_dropout", 0.0) or 0.0) != 0.0:
-        return "attention dropout"
-    if getattr(config, "pretraining_tp", 1) not in (None, 1):
-        return "pretraining_tp"
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None):
-        return "logit soft-capping"
-    inner = getattr(model, "model", None)
-    rotary = getattr(inner, "rotary_emb", None)
-    if rotary is None or getattr(rotary, "attention_scaling", 1.0) != 1.0 or getattr(rotary, "rope_type", "default") != "default":
-        return "rotary embedding"
-    head = model.get_output_embeddings()
-    if type(head) is not nn.Linear or head.bias is not None:
-        return "lm_head"
-    if type(inner.embed_tokens) is not nn.Embedding:
-        return "embedding"
-    for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        if any(type(m) is not nn.Linear for m in linears):
-            return "wrapped projections"
-        if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None or mlp.down_proj.bias is not None:
-            return "MLP bias"
-        if not ((attn.q_proj.bias is None) == (attn.k_proj.bias is None) == (attn.v_proj.bias is None)):
-            return "mixed QKV bias"
-        if getattr(attn, "sliding_window", None):
-            return "sliding window"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if not hasattr(norm, "variance_epsilon") or norm.weight.shape != (config.hidden_size,):
-                return "norm"
-        if layer._forward_hooks or layer._forward_pre_hooks or attn._forward_hooks or mlp._forward_hooks:
-            return "hooks"
-    if not hasattr(inner.norm, "variance_epsilon"):
-        return "norm"
-    return None
-
+from tamer.models.fast_arch import (  # noqa: F401 - unsupported_reason is re-exported: part of this API
+    Arch, Unsupported, activate, attend, norm_eps, read_arch, rms_norm, softcap, unsupported_reason, window_mask,
+)
 
 def _cpu_bf16_autocast(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
@@ -163,11 +121,30 @@ class KVBuffer:
         return out
 
 
+class Layer(NamedTuple):
+    """One decoder layer's weights. Norms are (weight, eps); the projections fused (prefill/decode
+    snapshot) or tuples of the live (q, k, v) and (gate, up) parameters (learner)."""
+
+    ln1: tuple  # norm before attention
+    qkv_w: torch.Tensor | tuple
+    qkv_b: torch.Tensor | tuple | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    ln2: tuple  # norm before the MLP (Gemma2: pre_feedforward_layernorm)
+    gu_w: torch.Tensor | tuple
+    down_w: torch.Tensor
+    q_norm: tuple | None = None  # Qwen3
+    k_norm: tuple | None = None
+    post_attn: tuple | None = None  # Gemma2: after attention, before the residual add
+    post_ffn: tuple | None = None  # Gemma2: after the MLP
+
+
 class FastDecoder:
     """Prefill and one-token decode for a supported HF causal LM (see the module docstring)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, arch: Arch | None = None) -> None:
         self.model = model
+        self.arch = arch or read_arch(model)
         config = model.config
         inner = model.model
         attn0 = inner.layers[0].self_attn
@@ -175,19 +152,31 @@ class FastDecoder:
         self.num_kv = config.num_key_value_heads
         self.head_dim = attn0.head_dim
         self.scaling = attn0.scaling
-        self.eps = [(layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon)
-                    for layer in inner.layers]
-        self.final_eps = inner.norm.variance_epsilon
+        self.final_eps = norm_eps(inner.norm)
         self.inv_freq = inner.rotary_emb.inv_freq.detach().float().cpu()
         self._table: torch.Tensor | None = None
-        self.layers: list[tuple] | None = None  # weights for prefill/decode, fused ones copied by refresh()
-        self._tables(max(int(config.max_position_embeddings), 64))
+        self.layers: list[Layer] | None = None  # weights for prefill/decode, fused ones copied by refresh()
+        self._tables(min(max(int(config.max_position_embeddings), 64), 4096))  # grows on demand
 
     @classmethod
     def for_model(cls, model: nn.Module) -> FastDecoder | None:
-        return None if unsupported_reason(model) is not None else cls(model)
+        try:
+            return cls(model, read_arch(model))
+        except Unsupported:
+            return None
 
     # ------------------------------------------------------------------ weights
+    def _layer(self, layer: nn.Module, qkv_w, qkv_b, gu_w) -> Layer:
+        a, m = layer.self_attn, layer.mlp
+        norm = lambda module: (module.weight, norm_eps(module))  # noqa: E731
+        sandwich = self.arch.sandwich
+        return Layer(norm(layer.input_layernorm), qkv_w, qkv_b, a.o_proj.weight, a.o_proj.bias,
+                     norm(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm), gu_w,
+                     m.down_proj.weight, norm(a.q_norm) if self.arch.qk_norm else None,
+                     norm(a.k_norm) if self.arch.qk_norm else None,
+                     norm(layer.post_attention_layernorm) if sandwich else None,
+                     norm(layer.post_feedforward_layernorm) if sandwich else None)
+
     @torch.inference_mode()
     def refresh(self) -> None:
         """Copy the current weights into the fused QKV and gate/up buffers (and take the rest by reference).
@@ -202,32 +191,31 @@ class FastDecoder:
         layers = []
         for i, layer in enumerate(inner.layers):
             a, m = layer.self_attn, layer.mlp
-            prev = old[i] if old is not None and len(old) == len(inner.layers) else (None,) * 8
-            qkv_w = _cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], prev[1])
-            qkv_b = None if a.q_proj.bias is None else _cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], prev[2])
-            gu_w = _cat([m.gate_proj.weight, m.up_proj.weight], prev[6])
-            layers.append((layer.input_layernorm.weight, qkv_w, qkv_b, a.o_proj.weight, a.o_proj.bias,
-                           layer.post_attention_layernorm.weight, gu_w, m.down_proj.weight))
+            prev = old[i] if old is not None and len(old) == len(inner.layers) else Layer(*(None,) * 8)
+            qkv_w = _cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], prev.qkv_w)
+            qkv_b = None if a.q_proj.bias is None else _cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], prev.qkv_b)
+            gu_w = _cat([m.gate_proj.weight, m.up_proj.weight], prev.gu_w)
+            layers.append(self._layer(layer, qkv_w, qkv_b, gu_w))
         self.layers = layers
         self.embed = inner.embed_tokens.weight
-        self.norm = inner.norm.weight
+        self.norm = (inner.norm.weight, self.final_eps)
         self.head = self.model.get_output_embeddings().weight
 
     def _tables(self, size: int) -> None:
         """RoPE table (size, 2, D) in float32: cos and sign-folded sin of positions × inv_freq, as HF
-        computes them. With sin_signed = (-sin, sin) over the two halves, HF's
-        `x * cos + rotate_half(x) * sin` is `x * cos + roll(x, D/2) * sin_signed`, exactly (a sign flip
-        is exact), in fewer ops."""
+        computes them (times HF's `attention_scaling`). With sin_signed = (-sin, sin) over the two
+        halves, HF's `x * cos + rotate_half(x) * sin` is `x * cos + roll(x, D/2) * sin_signed`,
+        exactly (a sign flip is exact), in fewer ops."""
         if self._table is not None and self._table.shape[0] >= size:
             return
         with torch.inference_mode(False), torch.no_grad():
             freqs = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin()
+            cos, sin = emb.cos() * self.arch.rope_scale, emb.sin() * self.arch.rope_scale
             half = sin.shape[-1] // 2
             sin[:, :half] = -sin[:, :half]
             device = self._table.device if self._table is not None else self.inv_freq.device
-            self._table = torch.stack([emb.cos(), sin], dim=1).to(device)
+            self._table = torch.stack([cos, sin], dim=1).to(device)
 
     def _rope_tables(self, positions: torch.Tensor, device: torch.device, *, size: int | None = None) -> torch.Tensor:
         """(…, 2, D): cos and signed sin at `positions`; `size` = a known bound on the positions (no sync)."""
@@ -243,8 +231,26 @@ class FastDecoder:
         cos, sin = cs.unsqueeze(-3).unbind(-2)
         return x * cos + torch.roll(x, self.head_dim // 2, dims=-1) * sin
 
+    def _norm(self, x: torch.Tensor, norm: tuple) -> torch.Tensor:
+        return rms_norm(x, norm, self.arch.norm_offset)
+
+    def _embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        embed = self.model.model.embed_tokens
+        x = F.embedding(ids, weight, embed.padding_idx)
+        return x * embed.embed_scale.to(weight.dtype) if self.arch.embed_scale else x
+
+    def _qk(self, qk: torch.Tensor, layer: Layer, cs: torch.Tensor) -> torch.Tensor:
+        """Queries then keys (…, H + H_kv, D): Qwen3's per-head norms, then RoPE."""
+        if self.arch.qk_norm:
+            qk = torch.cat([self._norm(qk[..., :self.num_heads, :], layer.q_norm),
+                            self._norm(qk[..., self.num_heads:, :], layer.k_norm)], dim=-2)
+        return self._rope(qk, cs)
+
+    def _residual(self, x: torch.Tensor, out: torch.Tensor, post: tuple | None) -> torch.Tensor:
+        return x + (out if post is None else self._norm(out, post))
+
     # ------------------------------------------------------------------ learner (differentiable)
-    def _live_layers(self) -> list[tuple]:
+    def _live_layers(self) -> list[Layer]:
         """The layers' live parameters (gradients flow), unfused: (q, k, v) and (gate, up) as tuples.
 
         The learner runs two large forwards per step, so a fused copy saves little there and its
@@ -253,9 +259,8 @@ class FastDecoder:
         out = []
         for layer in self.model.model.layers:
             a, m = layer.self_attn, layer.mlp
-            out.append((layer.input_layernorm.weight, (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
-                        (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias), a.o_proj.weight, a.o_proj.bias,
-                        layer.post_attention_layernorm.weight, (m.gate_proj.weight, m.up_proj.weight), m.down_proj.weight))
+            out.append(self._layer(layer, (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                                   (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias), (m.gate_proj.weight, m.up_proj.weight)))
         return out
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *, past: list | None = None,
@@ -266,64 +271,84 @@ class FastDecoder:
         `mask` (B, C + S) marks real positions of the optional `past` [(keys, values)
         (B, H_kv, C, D)] followed by the new tokens, `positions` (B, S) their RoPE positions.
         With `return_kv`, also every layer's (keys, values) of past + new tokens; with
-        `last_only`, only the last position's logits (B, 1, V).
+        `last_only`, only the last position's logits (B, 1, V). When the model has HF's gradient
+        checkpointing on and is training, each layer's activations are recomputed in backward.
         """
-        weights = self._live_layers()
         inner = self.model.model
-        x = F.embedding(ids, inner.embed_tokens.weight)
-        x, kvs = self._layers(x, weights, mask, positions, past, keep_kv=return_kv)
+        x = self._embed(ids, inner.embed_tokens.weight)
+        kvs: list = []
+        sink = (lambda i, k, v: kvs.append((k, v))) if return_kv else None
+        x = self._layers(x, self._live_layers(), mask, positions, past, sink, checkpoint=self._checkpointed())
         if last_only:
             x = x[:, -1:]
-        x = F.rms_norm(x, (x.shape[-1],), inner.norm.weight, self.final_eps)
-        return linear(x, self.model.get_output_embeddings().weight), kvs
+        x = self._norm(x, (inner.norm.weight, self.final_eps))
+        return softcap(linear(x, self.model.get_output_embeddings().weight), self.arch.final_softcap), kvs or None
 
-    def _attention_mask(self, mask: torch.Tensor, cached: int, seq: int) -> torch.Tensor:
-        """(B, 1, S, C + S) bool: causal, real keys only; a padding query attends to itself (finite outputs)."""
+    def _checkpointed(self) -> list[bool] | None:
+        """Per layer, whether HF would recompute it in backward (its gradient checkpointing flags)."""
+        inner = self.model.model
+        if not self.model.training:
+            return None
+        flags = [bool(getattr(layer, "gradient_checkpointing", getattr(inner, "gradient_checkpointing", False)))
+                 for layer in inner.layers]
+        return flags if any(flags) else None
+
+    def _attention_masks(self, mask: torch.Tensor, cached: int, seq: int) -> dict[int | None, torch.Tensor]:
+        """Per window size, (B, 1, S, C + S) bool: causal, real keys only, within the window; a
+        padding query attends to itself (finite outputs)."""
         device = mask.device
         rows = torch.arange(seq, device=device)
         causal = torch.arange(cached + seq, device=device)[None, :] <= (cached + rows)[:, None]  # (S, C + S)
-        allowed = mask.bool()[:, None, :] & causal[None]
-        allowed[:, rows, cached + rows] = True
-        return allowed[:, None]
+        allowed = {}
+        for window in set(self.arch.windows):
+            near = window_mask(cached + seq, cached + rows, window)
+            allowed[window] = mask.bool()[:, None, :] & (causal if near is None else causal & near)[None]
+            allowed[window][:, rows, cached + rows] = True
+            allowed[window] = allowed[window][:, None]
+        return allowed
 
-    def _layers(self, x, weights, mask, positions, past, *, keep_kv: bool, repeat: int = 1, extra: int = 0):
-        """The decoder layers over x (B, S, hidden). Returns x and either the (keys, values) of every
-        layer (`keep_kv`) or, with `extra`/`repeat`, in-place KV buffers of B·repeat rows."""
+    def _block(self, x, layer: Layer, allowed, cs, past_k, past_v):
+        """One decoder layer over x (B, S, hidden) -> (x, keys, values) of past + new tokens."""
         batch, seq = x.shape[:2]
-        cached = 0 if past is None else past[0][0].shape[2]
-        total = cached + seq
-        allowed = self._attention_mask(mask, cached, seq)
-        cs = self._rope_tables(positions, x.device, size=None if extra == 0 else int(positions.max()) + extra + 1)
         heads, kv, d = self.num_heads, self.num_kv, self.head_dim
-        kvs = []
-        for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gu_w, down_w) in enumerate(weights):
-            h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps[i][0])
-            if isinstance(qkv_w, tuple):  # live, unfused weights (learner)
-                q, k, v = (linear(h, w, b).view(batch, seq, -1, d) for w, b in zip(qkv_w, qkv_b))
-                q, k, v = self._rope(q, cs).transpose(1, 2), self._rope(k, cs).transpose(1, 2), v.transpose(1, 2)
+        h = self._norm(x, layer.ln1)
+        if isinstance(layer.qkv_w, tuple):  # live, unfused weights (learner)
+            q, k, v = (linear(h, w, b).view(batch, seq, -1, d) for w, b in zip(layer.qkv_w, layer.qkv_b))
+            qk = self._qk(torch.cat([q, k], dim=2), layer, cs)
+        else:
+            qkv = linear(h, layer.qkv_w, layer.qkv_b).view(batch, seq, heads + 2 * kv, d)
+            qk, v = self._qk(qkv[:, :, :heads + kv], layer, cs), qkv[:, :, heads + kv:]
+        q, k, v = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
+        if past_k is not None:
+            k, v = torch.cat([past_k.to(k.dtype), k], dim=2), torch.cat([past_v.to(v.dtype), v], dim=2)
+        attn = attend(q, k, v, allowed, self.scaling, self.arch.attn_softcap)
+        x = self._residual(x, linear(attn.transpose(1, 2).reshape(batch, seq, heads * d), layer.o_w, layer.o_b),
+                           layer.post_attn)
+        h = self._norm(x, layer.ln2)
+        if isinstance(layer.gu_w, tuple):
+            gate, up = (linear(h, w) for w in layer.gu_w)
+        else:
+            gate, up = linear(h, layer.gu_w).chunk(2, dim=-1)
+        return self._residual(x, linear(activate(gate, self.arch.act) * up, layer.down_w), layer.post_ffn), k, v
+
+    def _layers(self, x, layers, mask, positions, past, sink=None, *, extra: int = 0,
+                checkpoint: list[bool] | None = None):
+        """The decoder layers over x (B, S, hidden); `sink(i, keys, values)` receives each layer's KV
+        (past + new), `extra` = positions the caller will decode after these (sizes the RoPE table),
+        `checkpoint[i]` = recompute layer i's activations in backward instead of keeping them."""
+        cached = 0 if past is None else past[0][0].shape[2]
+        masks = self._attention_masks(mask, cached, x.shape[1])
+        cs = self._rope_tables(positions, x.device, size=None if extra == 0 else int(positions.max()) + extra + 1)
+        cs = cs.to(x.dtype)  # HF rounds cos/sin to the hidden states' dtype (bf16 weights)
+        for i, layer in enumerate(layers):
+            args = (x, layer, masks[self.arch.windows[i]], cs) + ((None, None) if past is None else past[i])
+            if checkpoint is not None and checkpoint[i] and torch.is_grad_enabled():
+                x, k, v = torch.utils.checkpoint.checkpoint(self._block, *args, use_reentrant=False)
             else:
-                qkv = linear(h, qkv_w, qkv_b).view(batch, seq, heads + 2 * kv, d)
-                qk = self._rope(qkv[:, :, :heads + kv], cs)
-                q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
-                v = qkv[:, :, heads + kv:].transpose(1, 2)
-            if past is not None:
-                k = torch.cat([past[i][0].to(k.dtype), k], dim=2)
-                v = torch.cat([past[i][1].to(v.dtype), v], dim=2)
-            if keep_kv:
-                kvs.append((k, v))
-            else:
-                kb = k.new_empty(batch * repeat, kv, total + extra, d)
-                vb = v.new_empty(batch * repeat, kv, total + extra, d)
-                kb[:, :, :total] = k.repeat_interleave(repeat, dim=0) if repeat > 1 else k
-                vb[:, :, :total] = v.repeat_interleave(repeat, dim=0) if repeat > 1 else v
-                kvs.append((kb, vb))
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scaling,
-                                                  enable_gqa=heads != kv)
-            x = x + linear(attn.transpose(1, 2).reshape(batch, seq, heads * d), o_w, o_b)
-            h = F.rms_norm(x, (x.shape[-1],), ln2, self.eps[i][1])
-            gate, up = (linear(h, w) for w in gu_w) if isinstance(gu_w, tuple) else linear(h, gu_w).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, down_w)
-        return x, kvs
+                x, k, v = self._block(*args)
+            if sink is not None:
+                sink(i, k, v)
+        return x
 
     # ------------------------------------------------------------------ prefill / decode
     @torch.inference_mode()
@@ -337,13 +362,19 @@ class FastDecoder:
         """
         if self.layers is None:
             self.refresh()
-        x = F.embedding(ids, self.embed)
-        x, kvs = self._layers(x, self.layers, mask, positions, past, keep_kv=False, repeat=repeat, extra=extra)
-        logits = F.linear(F.rms_norm(x[:, -1], (x.shape[-1],), self.norm, self.final_eps), self.head)
+        batch, total = ids.shape[0], mask.shape[1]
+        keys, values = [], []
+
+        def into_buffers(i, k, v):  # each layer's KV straight into its preallocated buffer
+            for src, out in ((k, keys), (v, values)):
+                buf = src.new_empty(batch * repeat, self.num_kv, total + extra, self.head_dim)
+                buf[:, :, :total] = src.repeat_interleave(repeat, dim=0) if repeat > 1 else src
+                out.append(buf)
+        x = self._layers(self._embed(ids, self.embed), self.layers, mask, positions, past, into_buffers, extra=extra)
+        logits = softcap(F.linear(self._norm(x[:, -1], self.norm), self.head), self.arch.final_softcap)
         if repeat > 1:
             logits = logits.repeat_interleave(repeat, dim=0)
-        total = mask.shape[1]
-        return logits, KVBuffer([k for k, _ in kvs], [v for _, v in kvs], total)
+        return logits, KVBuffer(keys, values, total)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVBuffer, key_mask: torch.Tensor
@@ -357,42 +388,58 @@ class FastDecoder:
         end = col + 1
         heads, kv, d = self.num_heads, self.num_kv, self.head_dim
         group = heads // kv
-        cs = self._rope_tables(positions, tokens.device, size=0)  # prefill sized the table
-        x = F.embedding(tokens, self.embed)  # (B, hidden)
+        x = self._embed(tokens, self.embed)  # (B, hidden)
+        cs = self._rope_tables(positions, tokens.device, size=0).to(x.dtype)  # prefill sized the table
         # Attention of one query per head, as two batched matmuls over (row, KV head) pairs with the
         # `group` query heads of a KV head as that pair's rows (GQA without repeating keys). At decode
         # sizes this is ~2.5x faster than scaled_dot_product_attention's CPU kernel (measured: 74 vs
         # 217 us at B=32, 2 KV heads, D=32, 60 keys), whose blocking pays off only for long queries.
-        # The mask becomes an additive bias, built once per step and shared by every layer.
-        # `fuse` is off under autocast, which would run these matmuls (and the residual addmm
-        # below) in bf16 where HF's attention and float32 residual stream do not: SDPA there.
-        fuse = not torch.is_autocast_enabled(x.device.type)
+        # The mask becomes an additive bias, built once per step (per window size) and shared by the
+        # layers. `fuse` is off under autocast, which would run these matmuls (and the residual addmm
+        # below) in bf16 where HF's attention and float32 residual stream do not, and with bf16
+        # weights, whose residual adds HF rounds separately: SDPA and plain adds there.
+        fuse = x.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type)
+        masks = {}
+        for window in set(self.arch.windows):
+            near = window_mask(end, torch.tensor([col], device=x.device), window)
+            masks[window] = key_mask[:, :end] if near is None else key_mask[:, :end] & near
         if fuse:
-            bias = torch.zeros(batch, end, dtype=x.dtype, device=x.device).masked_fill_(~key_mask[:, :end], float("-inf"))
-            bias = bias[:, None, None, :].expand(batch, kv, group, end).reshape(batch * kv, group, end)
+            masks = {w: torch.zeros(batch, end, dtype=x.dtype, device=x.device).masked_fill_(~m, float("-inf"))
+                     [:, None, None, :].expand(batch, kv, group, end).reshape(batch * kv, group, end)
+                     for w, m in masks.items()}
         else:
-            mask = key_mask[:, None, None, :end]  # (B, 1, 1, T): shared by every head
-        for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gu_w, down_w) in enumerate(self.layers):
-            h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps[i][0])
-            qkv = F.linear(h, qkv_w, qkv_b).view(batch, heads + 2 * kv, d)
-            qk = self._rope(qkv[:, :heads + kv], cs)
+            masks = {w: m[:, None, None, :] for w, m in masks.items()}  # (B, 1, 1, T): shared by every head
+        plain = not self.arch.sandwich  # residual adds fused into the matmuls (addmm: x + a @ W.T)
+        for i, layer in enumerate(self.layers):
+            h = self._norm(x, layer.ln1)
+            qkv = F.linear(h, layer.qkv_w, layer.qkv_b).view(batch, heads + 2 * kv, d)
+            qk = self._qk(qkv[:, :heads + kv], layer, cs)
             kb, vb = cache.k[i], cache.v[i]
             kb[:, :, col] = qk[:, heads:]
             vb[:, :, col] = qkv[:, heads + kv:]
+            mask = masks[self.arch.windows[i]]
             if fuse:
                 q = qk[:, :heads].reshape(batch * kv, group, d)
                 keys = kb[:, :, :end].reshape(batch * kv, end, d)  # views: B and H_kv merge without a copy
-                scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scaling)
+                if self.arch.attn_softcap is None:
+                    scores = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=self.scaling)
+                else:
+                    scores = softcap(torch.bmm(q, keys.transpose(1, 2)) * self.scaling, self.arch.attn_softcap) + mask
                 attn = torch.bmm(scores.softmax(-1), vb[:, :, :end].reshape(batch * kv, end, d))
             else:
                 q = qk[:, :heads].reshape(batch, kv, group, d)
-                attn = F.scaled_dot_product_attention(q, kb[:, :, :end], vb[:, :, :end], attn_mask=mask, scale=self.scaling)
+                attn = attend(q, kb[:, :, :end], vb[:, :, :end], mask, self.scaling, self.arch.attn_softcap)
             attn = attn.reshape(batch, heads * d)
-            # Residual adds fused into the matmuls (addmm: x + a @ W.T) when `fuse`.
-            x = torch.addmm(x, attn, o_w.t()) if fuse and o_b is None else x + F.linear(attn, o_w, o_b)
-            h = F.rms_norm(x, (x.shape[-1],), ln2, self.eps[i][1])
-            gate, up = F.linear(h, gu_w).chunk(2, dim=-1)
-            act = F.silu(gate) * up
-            x = torch.addmm(x, act, down_w.t()) if fuse else x + F.linear(act, down_w)
+            if fuse and plain and layer.o_b is None:
+                x = torch.addmm(x, attn, layer.o_w.t())
+            else:
+                x = self._residual(x, F.linear(attn, layer.o_w, layer.o_b), layer.post_attn)
+            h = self._norm(x, layer.ln2)
+            gate, up = F.linear(h, layer.gu_w).chunk(2, dim=-1)
+            act = activate(gate, self.arch.act) * up
+            if fuse and plain:
+                x = torch.addmm(x, act, layer.down_w.t())
+            else:
+                x = self._residual(x, F.linear(act, layer.down_w), layer.post_ffn)
         cache.length = end
-        return F.linear(F.rms_norm(x, (x.shape[-1],), self.norm, self.final_eps), self.head)
+        return softcap(F.linear(self._norm(x, self.norm), self.head), self.arch.final_softcap)

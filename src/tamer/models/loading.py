@@ -96,7 +96,8 @@ class ModelConfig:
 
     path: str = ""  # local HF model directory; empty builds `tiny` (random init)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # the tiny model's shape
-    dtype: str = "float32"  # float32 | bfloat16 | float16: weights as loaded
+    dtype: str = "float32"  # float32 | bfloat16 | float16: the weights' dtype (docs/models.md: bf16 weights vs rl.precision)
+    gradient_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, same gradients
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
     tokenizer: str = "char"  # tiny models: "char" (one token per byte) or "bpe" (trained on the task's text)
     bpe_vocab_size: int = 1024  # vocabulary of the "bpe" tokenizer

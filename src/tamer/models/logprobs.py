@@ -28,8 +28,8 @@ def token_logprobs(
 
     Logits are divided by the sampling temperature, as the sampler did (docs/algorithms.md#temperature), and the
     log-softmax is taken as logit - logsumexp to avoid materialising a (B, T, V) log-softmax.
-    Llama/Qwen2-family models run `FastDecoder.forward` (the same maths, fewer ops); others
-    the HF forward.
+    Models `FastDecoder` covers (Llama, Qwen2/3, Mistral, Gemma/Gemma2) run its `forward` (the
+    same maths, fewer ops); others the HF forward.
     """
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     fast = FastDecoder.for_model(model)
@@ -75,6 +75,11 @@ def shared_prefix_logprobs(
     prompt_ids = input_ids[first].gather(1, src) * prompt_mask
     prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     fast = FastDecoder.for_model(model)
+    if fast is None and model.training and torch.is_grad_enabled() and \
+            any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        # HF's checkpointed layers drop the KV cache (use_cache=False), so the prompt cannot be shared.
+        completion = torch.arange(input_ids.shape[1], device=device)[None, :] >= prompt_lengths.to(device)[:, None]
+        return token_logprobs(model, input_ids, attention_mask, temperature) * (completion & attention_mask.bool())
     if fast is not None:
         out_logits, kvs = fast.forward(prompt_ids, prompt_mask, prompt_pos, return_kv=True, last_only=True)
         past = [(k[inverse], v[inverse]) for k, v in kvs]  # the prompt's KV, one copy per row

@@ -5,13 +5,18 @@
 
 Token-in, token-out: each turn's sampled tokens are appended exactly as sampled
 (`loss_mask = 1`, with their sampling logprobs); the environment's reply is rendered
-through the tokenizer's chat template as a tool message and appended as tokens with
+through the tokenizer's chat template as tool message(s) and appended as tokens with
 `loss_mask = 0`. Nothing is ever re-tokenized, so the learner trains on exactly the
 tokens that were sampled. Generation is batched across every live trajectory of every
 task at each turn; the first turn samples all `n` attempts from one shared prompt prefix, and
 later turns prefill only what is new since the last turn (`SamplingParams.reuse_prefix`).
 
 Single-turn tasks (no environment) do not come here: `Rollout` samples them in one `generate` call.
+
+Tool calls follow the model family's format (`AgentConfig.tool_format`, detected from the
+chat template when empty; see `tamer.tools.formats`): tool environments parse turns and
+answer in it, and scripted demonstrations (written with Hermes `<tool_call>` blocks) are
+rewritten into it by `replay`.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ from typing import Any, Callable
 
 from transformers import PreTrainedTokenizerBase
 
-from tamer.config import FieldError
+from tamer.config import FieldError, check_name
 from tamer.models import encode_chat
 from tamer.rollout.engine import GenerationEngine
 from tamer.rollout.types import GenerationOutput, SamplingParams, Trajectory, Turn
 from tamer.tasks.base import Task
 from tamer.tasks.env import ENVIRONMENTS, Environment, StepResult
+from tamer.tools.formats import TOOL_FORMATS, Observation, resolve_format, turn_decoder
 
 
 @dataclass(frozen=True)
@@ -38,11 +44,14 @@ class AgentConfig:
     max_turns: int = 8  # assistant turns per episode
     max_total_tokens: int = 1024  # generated + environment tokens after the prompt
     show_tools: bool = True  # render tool schemas into the prompt (chat template `tools=`)
+    tool_format: str = ""  # a name in tamer.tools.formats.TOOL_FORMATS; "" detects it from the chat template
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_total_tokens"):
             if getattr(self, name) < 1:
                 raise FieldError(name, f"expected >= 1, got {getattr(self, name)}")
+        if self.tool_format:
+            check_name("tool_format", self.tool_format, TOOL_FORMATS.names(), "tool-call format")
 
 
 def default_env_factory(task: Task) -> Environment:
@@ -50,27 +59,60 @@ def default_env_factory(task: Task) -> Environment:
 
 
 class ToolMessageRenderer:
-    """Token ids that follow an assistant turn: the tool message and the next assistant header.
+    """Token ids that follow an assistant turn: the tool message(s) and the next assistant header.
 
     Rendered through the chat template as the difference between a conversation with and
-    without the tool message, so any template (ChatML, Qwen, Llama) gets its own format.
+    without the tool messages, so any template (ChatML, Qwen, Llama, Mistral) gets its own
+    format. An observation is one string (one tool message) or a list of message dicts
+    (`tamer.tools.formats`: one per call, with `tool_call_id` where the format needs it).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token
-        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-        plain = tokenizer.apply_chat_template(base, tokenize=False)
-        marker = "\x00OBS\x00"
-        full = tokenizer.apply_chat_template(base + [{"role": "tool", "content": marker}], tokenize=False,
-                                             add_generation_prompt=True)
+        self.base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        plain = tokenizer.apply_chat_template(self.base, tokenize=False)
         end = plain.rfind(eos) + len(eos) if eos and eos in plain else len(plain)
-        if not full.startswith(plain[:end]):
-            raise ValueError("chat template renders earlier turns differently once a tool message follows")
-        self.prefix, self.suffix = full[end:].split(marker)
+        self.head = plain[:end]  # everything up to the end of the assistant turn
+        self._pieces: dict[tuple, list[str] | None] = {}
+        self.text("obs")  # fails here, not mid-rollout, for a template that cannot render it
 
-    def __call__(self, observation: str) -> list[int]:
-        return self.tokenizer(self.prefix + observation + self.suffix, add_special_tokens=False)["input_ids"]
+    def text(self, observation: Observation) -> str:
+        messages = [{"role": "tool", "content": observation}] if isinstance(observation, str) else list(observation)
+        contents = [m["content"] for m in messages]
+        # Templates that insert the content verbatim render once per message layout and are
+        # filled in by string joins (~10x faster than rendering); others render every time.
+        pieces = self._layout(messages) if all(c and c == c.strip() for c in contents) else None
+        if pieces is None:
+            return self._render(messages)
+        return "".join(p + c for p, c in zip(pieces, contents)) + pieces[-1]
+
+    def _layout(self, messages: list[dict]) -> list[str] | None:
+        """The rendered text around each message's content (None if a template transforms content)."""
+        key = tuple(tuple(sorted((k, v) for k, v in m.items() if k != "content")) for m in messages)
+        if key not in self._pieces:
+            if len(self._pieces) > 1024:
+                self._pieces.clear()
+            markers = [f"\x00OBS{i}\x00" for i in range(len(messages))]
+            text = self._render([{**m, "content": mk} for m, mk in zip(messages, markers)])
+            pieces = []
+            for marker in markers:
+                before, found, text = text.partition(marker)
+                if not found or marker in text:
+                    pieces = None
+                    break
+                pieces.append(before)
+            self._pieces[key] = None if pieces is None else pieces + [text]
+        return self._pieces[key]
+
+    def _render(self, messages: list[dict]) -> str:
+        full = self.tokenizer.apply_chat_template(self.base + messages, tokenize=False, add_generation_prompt=True)
+        if not full.startswith(self.head):
+            raise ValueError("chat template renders earlier turns differently once a tool message follows")
+        return full[len(self.head):]
+
+    def __call__(self, observation: Observation) -> list[int]:
+        return self.tokenizer(self.text(observation), add_special_tokens=False)["input_ids"]
 
 
 @dataclass
@@ -97,6 +139,8 @@ class AgentRollout:
         self.env_factory = env_factory
         self.render_tool = ToolMessageRenderer(tokenizer)
         self.stop_eos = tokenizer.eos_token_id
+        self.tool_format = resolve_format(config.tool_format, tokenizer)
+        self.decode_turn = turn_decoder(tokenizer, self.tool_format)
 
     def run(self, tasks: list[Task], params: SamplingParams, group_offset: int = 0) -> list[Trajectory]:
         episodes = [self._start(task, group_offset + j) for j, task in enumerate(tasks) for _ in range(params.n)]
@@ -111,18 +155,22 @@ class AgentRollout:
         """A scripted episode: `turns` (assistant texts) played against a fresh environment.
 
         Produces exactly the token layout a sampled episode has, so SFT demonstrations and
-        RL rollouts share one format.
+        RL rollouts share one format. Turns written with Hermes `<tool_call>` blocks are
+        rewritten into the rollout's tool format first (`ToolFormat.convert`).
         """
         episode = self._start(task, group_id=0)
         for text in turns:
             if episode.done:
                 break
+            text = self.tool_format.convert(text)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.stop_eos]
             self._apply(episode, GenerationOutput(ids, [0.0] * len(ids), "stop"))
         return self._finish(episode)
 
     def _start(self, task: Task, group_id: int) -> _Episode:
         env = self.env_factory(task)
+        if hasattr(env, "use_tool_format"):  # tool environments parse and answer in the model's format
+            env.use_tool_format(self.tool_format)
         first = env.reset(task)
         messages = [dict(m) for m in task.messages]
         if first:
@@ -147,7 +195,7 @@ class AgentRollout:
         episode.completion_ids += out.token_ids
         episode.loss_mask += [1] * len(out.token_ids)
         episode.logprobs += list(out.logprobs)
-        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        text = self.decode_turn(out.token_ids)
         start = time.perf_counter()
         result = self._step(episode.env, text)
         record = Turn(generated=len(out.token_ids), env_reward=result.reward, seconds=time.perf_counter() - start)
@@ -155,14 +203,16 @@ class AgentRollout:
             record.tool_calls.append({"name": call.get("name"), "arguments": call.get("arguments")})
             if not call.get("ok", True):
                 record.errors.append(call.get("error_kind") or "error")
-        if result.observation is not None:
+        if isinstance(result.observation, str):
             record.tool_results.append(result.observation)
+        elif result.observation is not None:  # one message per call
+            record.tool_results.extend(m["content"] for m in result.observation)
         episode.turns.append(record)
         episode.info.update({k: v for k, v in result.info.items() if k != "turn_calls"})
         if result.done:
             episode.done = True
             return
-        obs_ids = self.render_tool(result.observation or "")
+        obs_ids = self.render_tool(result.observation if result.observation is not None else "")
         if out.finish_reason == "length":  # close the cut-off turn so the template stays well-formed
             obs_ids = [self.stop_eos] + obs_ids
         if len(episode.completion_ids) + len(obs_ids) >= self.config.max_total_tokens or \

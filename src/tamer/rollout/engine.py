@@ -10,10 +10,10 @@
   for the whole completion and written in place (transformers' `DynamicCache` concatenates,
   copying the whole cache at every step; measurements in docs/performance.md),
 * run under bf16 autocast (`precision="bf16"`) with the fp32 weights left as they are,
-* on Llama/Qwen2-family models, run prefill and decode through `FastDecoder`
-  (`models/fast_forward.py`: the same maths as the HF forward with plain torch ops, fused
-  QKV and gate/up weights, precomputed RoPE tables, its own masks); any other model, or
-  `fast=False`, goes through the HF forward,
+* on Llama, Qwen2/3, Mistral and Gemma/Gemma2 models, run prefill and decode through
+  `FastDecoder` (`models/fast_forward.py`: the same maths as the HF forward with plain torch
+  ops, fused QKV and gate/up weights, precomputed RoPE tables, its own masks; coverage in
+  `models/fast_arch.py`); any other model, or `fast=False`, goes through the HF forward,
 * optionally decode with its own intra-op thread count (`threads`, default: the process's),
   for hosts where rollouts share the CPU with other work (off by default: docs/performance.md).
 

@@ -23,7 +23,9 @@ from tamer.tasks.base import Task
 
 @dataclass
 class StepResult:
-    observation: str | None  # text of the environment's reply (rendered as a tool message)
+    # The environment's reply: text (rendered as one tool message), a list of message dicts
+    # ({"role": "tool", "content", "tool_call_id"?}: one per tool call), or None.
+    observation: str | list[dict[str, str]] | None
     reward: float = 0.0  # per-turn (process) reward
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)

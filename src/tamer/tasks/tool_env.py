@@ -22,9 +22,11 @@ the final answer:
         def finish(self, final_text: str) -> dict:
             return {"success": is_correct(final_text, self.task), "cost": float(self.tool_calls)}
 
-Each `step(action_text)` parses the turn with the configured parser. A turn with tool calls
-(or unreadable attempts at one) runs them, at most `max_tool_calls_per_turn`, and answers
-with one block per call, in the order of the calls, errors included:
+Each `step(action_text)` parses the turn in the tool-call format (`ToolEnvConfig.parser`, or
+the model's format set by the rollout through `use_tool_format`; see `tamer.tools.formats`).
+A turn with tool calls (or unreadable attempts at one) runs them, at most
+`max_tool_calls_per_turn`, and answers with one result per call, in the order of the calls,
+errors included; in the default Hermes format, one block per call:
 
     <tool_response>888</tool_response>
     <tool_response>error: unknown tool 'serch' (available: calculate)</tool_response>
@@ -49,7 +51,8 @@ from tamer.config import FieldError, check_name
 from tamer.tasks.base import Task, is_correct
 from tamer.tasks.env import BaseEnvironment, StepResult
 from tamer.tools.executor import ToolResult, execute, malformed
-from tamer.tools.parsing import PARSERS, ToolCall
+from tamer.tools.formats import TOOL_FORMATS, ToolFormat, make_format
+from tamer.tools.parsing import ToolCall
 from tamer.tools.schema import ToolSet
 
 
@@ -60,7 +63,7 @@ class ToolEnvConfig:
     max_tool_calls_per_turn: int = 4  # calls past this in one turn are not run
     tool_timeout_s: float = 5.0  # wall-clock limit per call
     max_result_chars: int = 2000  # longer results are cut, with a marker
-    parser: str = "hermes"  # a name in tamer.tools.parsing.PARSERS
+    parser: str = "hermes"  # tool-call format, a name in tamer.tools.formats.TOOL_FORMATS (the rollout's wins)
 
     def __post_init__(self) -> None:
         if self.max_tool_calls_per_turn < 1:
@@ -69,7 +72,7 @@ class ToolEnvConfig:
             raise FieldError("tool_timeout_s", f"expected a positive number of seconds, got {self.tool_timeout_s}")
         if self.max_result_chars < 1:
             raise FieldError("max_result_chars", f"expected at least 1, got {self.max_result_chars}")
-        check_name("parser", self.parser, PARSERS.names(), "tool-call parser")
+        check_name("parser", self.parser, TOOL_FORMATS.names(), "tool-call format")
 
 
 def render_responses(results: list[ToolResult]) -> str:
@@ -82,7 +85,7 @@ class ToolEnvironment(BaseEnvironment):
 
     def __init__(self, config: ToolEnvConfig | None = None) -> None:
         self.config = config or ToolEnvConfig()
-        self.parser = PARSERS.get(self.config.parser)()
+        self.format: ToolFormat = make_format(self.config.parser)
         self.toolset = self.build_tools()
         self.task: Task | None = None
         self._reset_counters()
@@ -108,6 +111,10 @@ class ToolEnvironment(BaseEnvironment):
         """Schemas for the chat template's `tools=`."""
         return self.toolset.schemas()
 
+    def use_tool_format(self, tool_format: ToolFormat) -> None:
+        """Parse turns and answer in `tool_format` (the rollout sets its model's format)."""
+        self.format = tool_format
+
     def reset(self, task: Task) -> str:
         self.task = task
         self._reset_counters()
@@ -116,19 +123,19 @@ class ToolEnvironment(BaseEnvironment):
 
     def step(self, action: str) -> StepResult:
         self.turns += 1
-        parsed = self.parser.parse(action)
+        parsed = self.format.parse(action)
         if not parsed.items:
             return StepResult(None, done=True, info={**self._info([]), **self.finish(parsed.final_text)})
         limit = self.config.max_tool_calls_per_turn
         turn_calls = [self._run(item) for item in parsed.items[:limit]]
-        results = [result for result, _ in turn_calls]
-        observation = render_responses(results)
+        results = [(item if isinstance(item, ToolCall) else None, result.content)
+                   for item, (result, _) in zip(parsed.items, turn_calls)]
         skipped = len(parsed.items) - limit
         if skipped > 0:
             self.tool_calls_skipped += skipped
-            observation += (f"\n<tool_response>error: at most {limit} tool calls run per turn; "
-                            f"{skipped} more were not run</tool_response>")
-        return StepResult(observation, done=False, info=self._info([record for _, record in turn_calls]))
+            results.append((None, f"error: at most {limit} tool calls run per turn; {skipped} more were not run"))
+        return StepResult(self.format.observation(results), done=False,
+                          info=self._info([record for _, record in turn_calls]))
 
     # -- internals ------------------------------------------------------------------------
 

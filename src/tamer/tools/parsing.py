@@ -12,7 +12,9 @@ could not read as an error entry ("kind: message") instead of raising; the envir
 answers each one, so the agent learns what went wrong.
 
 To support another format, write a class with `parse(text) -> ParseResult` and register
-it in `PARSERS`.
+it in `PARSERS`; `call_from_payload` turns one decoded JSON call into a `ToolCall` or an
+error entry. The tool-call formats of other model families (Llama 3.1 JSON, Mistral, plain
+JSON), with how each renders tool results back, live in `tamer.tools.formats`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tamer.tools.schema import json_type
 class ToolCall:
     name: str
     arguments: dict[str, Any]
+    id: str | None = None  # the call's id when the format carries one (Mistral), echoed with its result
 
 
 @dataclass
@@ -100,21 +103,32 @@ class HermesToolParser:
             return f"invalid_json: {exc.msg} (char {exc.pos})"
         except RecursionError:  # `[[[[...` thousands deep: json recurses per level
             return "invalid_json: nested too deeply"
-        if not isinstance(payload, dict):
-            return f"not_object: expected a JSON object, got {json_type(payload)}"
-        name = payload.get("name")
-        if not isinstance(name, str) or not name.strip():
-            return "missing_name: the call has no \"name\" string"
-        arguments = payload.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as exc:
-                return f"bad_arguments: \"arguments\" is a string but not valid JSON ({exc.msg})"
-            except RecursionError:
-                return "bad_arguments: \"arguments\" is nested too deeply"
-        if arguments is None:
-            arguments = {}
-        if not isinstance(arguments, dict):
-            return f"bad_arguments: \"arguments\" must be a JSON object, got {json_type(arguments)}"
-        return ToolCall(name=name.strip(), arguments=arguments)
+        return call_from_payload(payload)
+
+
+def call_from_payload(payload: Any, argument_keys: tuple[str, ...] = ("arguments",)) -> ToolCall | str:
+    """One decoded JSON call -> a ToolCall, or an error string "kind: message".
+
+    The arguments are read from the first of `argument_keys` present (Llama 3.1 names them
+    "parameters"); a string of JSON is decoded once more, a missing value means none.
+    """
+    if not isinstance(payload, dict):
+        return f"not_object: expected a JSON object, got {json_type(payload)}"
+    name = payload.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return "missing_name: the call has no \"name\" string"
+    key = next((k for k in argument_keys if k in payload), argument_keys[0])
+    arguments = payload.get(key, {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            return f"bad_arguments: \"{key}\" is a string but not valid JSON ({exc.msg})"
+        except RecursionError:
+            return f"bad_arguments: \"{key}\" is nested too deeply"
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        return f"bad_arguments: \"{key}\" must be a JSON object, got {json_type(arguments)}"
+    call_id = payload.get("id")
+    return ToolCall(name=name.strip(), arguments=arguments, id=call_id if isinstance(call_id, str) else None)
