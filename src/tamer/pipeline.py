@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tamer.checkpoint import latest_checkpoint
 from tamer.config import to_dict
 from tamer.evaluate import EvalConfig, EvalReport, agent_metrics, demonstrator_accuracy, evaluate
+from tamer.health import HealthConfig
 from tamer.models import (
     TinyModelConfig, build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, count_parameters, load_model, save_model,
     stop_token_ids,
@@ -31,9 +32,11 @@ from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.rollout.engine import HFEngine
 from tamer.rollout.runner import Rollout
+from tamer.rollout_log import RolloutLogConfig
 from tamer.tasks import TaskConfig, get_task_source
 from tamer.tasks.base import Task, TaskSource
 from tamer.tracking import Tracker, plot_metrics
+from tamer.tracking_backends import MlflowConfig, WandbConfig, check_backends, open_sinks
 from tamer.trainers.common import OptimConfig, seed_everything
 from tamer.trainers.rl import RLConfig, RLTrainer
 from tamer.trainers.sft import SFTConfig, SFTTrainer, demonstration_texts, demonstrations
@@ -62,8 +65,16 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrackingConfig:
     console: bool = True
-    tensorboard: bool = True
+    tensorboard: bool = True  # false drops TensorBoard even when `backends` lists it
     console_every: int = 10  # steps between console lines when stdout is not a terminal
+    backends: tuple[str, ...] = ("tensorboard",)  # tensorboard | wandb | mlflow (tamer.tracking_backends)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    rollouts: RolloutLogConfig = field(default_factory=RolloutLogConfig)  # RL rollouts saved to rollouts.jsonl
+    health: HealthConfig = field(default_factory=HealthConfig)  # training-health warnings
+
+    def __post_init__(self) -> None:
+        check_backends(self.backends)
 
 
 @dataclass(frozen=True)
@@ -139,9 +150,11 @@ def build_policy(config: ModelConfig, task: TaskConfig | None = None) -> tuple[P
 
 
 def tracker_for(config: RunConfig, sub: str, total_steps: int, description: str, append: bool = False) -> Tracker:
-    return Tracker(Path(config.output_dir) / sub, console=config.tracking.console,
-                   tensorboard=config.tracking.tensorboard, total_steps=total_steps,
-                   description=description, append=append, console_every=config.tracking.console_every)
+    tracking = config.tracking
+    return Tracker(Path(config.output_dir) / sub, console=tracking.console,
+                   tensorboard=tracking.tensorboard and "tensorboard" in tracking.backends, total_steps=total_steps,
+                   description=description, append=append, console_every=tracking.console_every,
+                   sinks=open_sinks(tracking, config.output_dir, sub, to_dict(config)), health=tracking.health)
 
 
 def evaluate_model(model, tokenizer, tasks: list[Task], config: EvalConfig, agent: AgentConfig = AgentConfig()) -> EvalReport:
@@ -171,6 +184,7 @@ def run_sft(config: RunConfig, model=None, tokenizer=None, source: TaskSource | 
         loss = SFTTrainer(model, tokenizer, data, config.sft).train(tracker)
         report = evaluate_model(model, tokenizer, heldout, config.eval, config.agent)
         tracker.log(report.metrics(), config.sft.steps)
+        tracker.log_summary({"sft_loss": loss, "sft_seconds": time.perf_counter() - start, **report.metrics("sft_eval")})
     out = Path(config.output_dir) / "sft"
     save_model(model, tokenizer, out / "model")
     result = {"sft_loss": loss, "sft_accuracy": report.accuracy, "sft_seconds": time.perf_counter() - start,
@@ -192,11 +206,14 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = Fals
     start = time.perf_counter()
     with tracker_for(config, "rl", config.rl.steps, "rl", append=checkpoint is not None) as tracker:
         trainer = RLTrainer(model, tokenizer, train, heldout, RewardComposer(config.reward, reward_extra),
-                            config.rl, config.eval, run_dir=run_dir, tracker=tracker, agent=config.agent)
+                            config.rl, config.eval, run_dir=run_dir, tracker=tracker, agent=config.agent,
+                            rollout_log=config.tracking.rollouts)
         if checkpoint is not None:
             tracker.truncate_after(trainer.resume(checkpoint))
             tracker.print(f"resumed from {checkpoint} at step {trainer.step}")
         final = trainer.train(initial_eval)
+        tracker.log_summary({"rl_steps": trainer.step, "rl_seconds": time.perf_counter() - start,
+                             "reward_errors": trainer.rewards.total_errors, **final})
     plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png",
                         title=f"{config.rl.algorithm.advantage} on {config.task.name}")
     save_model(model, tokenizer, run_dir / "model")
