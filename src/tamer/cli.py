@@ -160,8 +160,10 @@ def _mount_subcommands() -> None:
     from tamer.advise import advise_command
     from tamer.compare import compare_command
     from tamer.tools.sandbox_cli import sandbox_app
+    from tamer.viewer import view_command
 
     app.command("compare")(compare_command)
+    app.command("view")(view_command)
     app.command("advise")(advise_command)
     app.add_typer(sandbox_app, name="sandbox")
 

@@ -32,10 +32,10 @@ from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.rollout.engine import HFEngine
 from tamer.rollout.runner import Rollout
-from tamer.rollout_log import RolloutLogConfig
+from tamer.rollout_log import RolloutLogConfig, RolloutRecorder
 from tamer.tasks import TaskConfig, get_task_source
 from tamer.tasks.base import Task, TaskSource
-from tamer.tracking import Tracker, plot_metrics
+from tamer.tracking import Tracker, plot_metrics, read_baselines, summary_baselines
 from tamer.tracking_backends import MlflowConfig, WandbConfig, check_backends, open_sinks
 from tamer.trainers.common import OptimConfig, seed_everything
 from tamer.trainers.rl import RLConfig, RLTrainer
@@ -184,6 +184,8 @@ def run_sft(config: RunConfig, model=None, tokenizer=None, source: TaskSource | 
         loss = SFTTrainer(model, tokenizer, data, config.sft).train(tracker)
         report = evaluate_model(model, tokenizer, heldout, config.eval, config.agent)
         tracker.log(report.metrics(), config.sft.steps)
+        RolloutRecorder(config.tracking.rollouts, tokenizer, RewardComposer(config.reward), tracker, "sft").on_eval(
+            config.sft.steps, report.trajectories)  # the SFT model's held-out episodes, for `tamer view`
         tracker.log_summary({"sft_loss": loss, "sft_seconds": time.perf_counter() - start, **report.metrics("sft_eval")})
     out = Path(config.output_dir) / "sft"
     save_model(model, tokenizer, out / "model")
@@ -215,7 +217,8 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = Fals
         tracker.log_summary({"rl_steps": trainer.step, "rl_seconds": time.perf_counter() - start,
                              "reward_errors": trainer.rewards.total_errors, **final})
     plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png",
-                        title=f"{config.rl.algorithm.advantage} on {config.task.name}")
+                        title=f"{config.rl.algorithm.advantage} on {config.task.name}",
+                        baselines=read_baselines(config.output_dir, demo=False))
     save_model(model, tokenizer, run_dir / "model")
     result = {"rl_accuracy": final.get("eval/accuracy"), "rl_steps": trainer.step,
               "rl_seconds": time.perf_counter() - start, "model_path": str(run_dir / "model"),
@@ -269,7 +272,8 @@ def run_demo(config: RunConfig) -> dict[str, Any]:
         "model_parameters": count_parameters(model), "plot": rl["plot"],
         "sft_model": sft["model_path"], "rl_model": rl["model_path"], "config": to_dict(config),
     }
-    plot_metrics(out / "rl" / "metrics.jsonl", out / "reward_accuracy.png", title="GRPO after SFT")
+    plot_metrics(out / "rl" / "metrics.jsonl", out / "reward_accuracy.png", title="GRPO after SFT",
+                 baselines=summary_baselines(summary))
     summary["plot"] = str(out / "reward_accuracy.png")
     write_json(out / "summary.json", summary)
     return summary
@@ -291,7 +295,7 @@ def _agent_demo(config: RunConfig, model, tokenizer, source: TaskSource, eval_ta
     }
     plot_metrics(out / "rl" / "metrics.jsonl", out / "reward_accuracy.png",
                  keys=("reward/mean", "eval/success_rate", "eval/mean_tool_calls", "eval/mean_cost_ratio"),
-                 title=f"GRPO on {config.task.name}")
+                 title=f"GRPO on {config.task.name}", baselines=summary_baselines(summary))
     summary["plot"] = str(out / "reward_accuracy.png")
     write_json(out / "summary.json", summary)
     return summary

@@ -10,15 +10,17 @@ object per line (NaN and infinities become null), and forwards them to the exper
 A record describes one trajectory:
 
     kind            "train" (a sampled group member) or "eval" (a greedy held-out episode)
+    phase           "rl", or "sft" for the SFT model's held-out episodes (step = SFT steps)
     step            optimizer steps done when it was sampled (eval at step 0: the start model)
     group, sample   group id within the step, and the attempt's index within its group
     task            {"id", "messages", "answer"}
     turns           per assistant turn: {"text", "tool_calls", "tool_results", "errors",
-                    "env_reward", "env_text"} (env_text: the environment's tokens that followed)
+                    "env_reward", "env_text", "span"}: env_text is the environment's tokens that
+                    followed; span [start, end, env_end] indexes `tokens` (generated: start..end)
     completion      the decoded completion (what reward functions read)
     tokens          the completion's token texts; loss_mask: 1 on the tokens the policy
                     generated (trained), 0 on the tokens the environment inserted (masked)
-    reward, rewards the weighted total and each reward function's unweighted score
+    reward, rewards the weighted total and each reward function's unweighted score; weights: theirs
     advantage       the trajectory's advantage (mean over its generated tokens for PPO); null at eval
     logprob_gap     mean |learner - sampler| logprob over its generated tokens at the sampling
                     weights (logprob_gap_max: the largest); null when not measured
@@ -108,19 +110,33 @@ def read_rollouts(path: str | Path) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------------- records
 class TokenTexts:
-    """Token id -> its text on its own (cached: a vocabulary is small, rollouts are many)."""
+    """Token ids -> one text per token whose concatenation is the decoded sequence.
+
+    Decoded incrementally over a short window, as streaming detokenizers do: a token that
+    ends inside a multi-byte character gets "" and the character goes to the token that
+    completes it; SentencePiece's leading spaces survive because each token is decoded
+    after its predecessor.
+    """
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if ids else ""
 
     def __call__(self, ids: Iterable[int]) -> list[str]:
-        out = []
-        for i in ids:
-            text = self.cache.get(i)
-            if text is None:
-                text = self.cache[i] = self.tokenizer.decode([i], skip_special_tokens=False)
-            out.append(text)
+        ids = list(ids)
+        out: list[str] = []
+        prefix = read = 0  # ids[prefix:read] is decoded context already emitted
+        for i in range(len(ids)):
+            before, after = self._decode(ids[prefix:read]), self._decode(ids[prefix:i + 1])
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                out.append(after[len(before):])
+                prefix, read = read, i + 1
+            else:
+                out.append("")
+        if read < len(ids) and out:  # bytes that never completed a character: flush them as decoded
+            out[-1] += self._decode(ids[prefix:])[len(self._decode(ids[prefix:read])):]
         return out
 
 
@@ -138,27 +154,29 @@ def split_turns(traj: Trajectory, texts: list[str]) -> list[dict[str, Any]]:
             env_end += 1
         turns.append({"text": "".join(texts[pos:end]), "tool_calls": turn.tool_calls,
                       "tool_results": turn.tool_results, "errors": turn.errors,
-                      "env_reward": turn.env_reward, "env_text": "".join(texts[end:env_end])})
+                      "env_reward": turn.env_reward, "env_text": "".join(texts[end:env_end]),
+                      "span": [pos, end, env_end]})
         pos = env_end
     if not turns:
         turns.append({"text": "".join(texts), "tool_calls": [], "tool_results": [], "errors": [],
-                      "env_reward": 0.0, "env_text": ""})
+                      "env_reward": 0.0, "env_text": "", "span": [0, n, n]})
     return turns
 
 
-def trajectory_record(traj: Trajectory, token_texts: TokenTexts, *, kind: str, step: int, sample: int = 0,
+def trajectory_record(traj: Trajectory, token_texts: TokenTexts, *, kind: str, step: int, sample: int = 0, phase: str = "rl",
                       advantage: float | None = None, gap: tuple[float, float] | None = None,
-                      rewards: dict[str, float] | None = None, reward: float | None = None) -> dict[str, Any]:
+                      rewards: dict[str, float] | None = None, reward: float | None = None,
+                      weights: dict[str, float] | None = None) -> dict[str, Any]:
     """One trajectory as a record (the fields in the module docstring); JSON-ready after `strict_json`."""
     texts = token_texts(traj.completion_ids)
     task = traj.task
     return {
-        "kind": kind, "step": step, "group": traj.group_id, "sample": sample,
+        "kind": kind, "phase": phase, "step": step, "group": traj.group_id, "sample": sample,
         "task": {"id": task.id, "messages": [dict(m) for m in task.messages], "answer": task.answer},
         "turns": split_turns(traj, texts), "completion": traj.text,
         "tokens": texts, "loss_mask": [int(m) for m in traj.loss_mask],
         "reward": traj.reward if reward is None else reward,
-        "rewards": dict(traj.rewards if rewards is None else rewards),
+        "rewards": dict(traj.rewards if rewards is None else rewards), "weights": dict(weights or {}),
         "advantage": advantage,
         "logprob_gap": gap[0] if gap else None, "logprob_gap_max": gap[1] if gap else None,
         "weight_version": traj.info.get("weight_version"),
@@ -203,9 +221,10 @@ def logprob_gaps(learner: torch.Tensor, trajs: list[Trajectory]) -> list[tuple[f
 class RolloutRecorder:
     """Turns a step's trajectories into records and hands them to `sink.log_rollouts(records, step)`."""
 
-    def __init__(self, config: RolloutLogConfig, tokenizer, rewards=None, sink=None) -> None:
-        self.config, self.rewards, self.sink = config, rewards, sink
+    def __init__(self, config: RolloutLogConfig, tokenizer, rewards=None, sink=None, phase: str = "rl") -> None:
+        self.config, self.rewards, self.sink, self.phase = config, rewards, sink, phase
         self.token_texts = TokenTexts(tokenizer)
+        self.weights = dict(rewards.config.weights) if rewards is not None else {}
 
     @property
     def active(self) -> bool:
@@ -228,8 +247,8 @@ class RolloutRecorder:
         for row, advantage, gap in zip(rows, advantages, gaps):
             traj = trajectories[row]
             sample = seen[traj.group_id] = seen.get(traj.group_id, -1) + 1
-            records.append(trajectory_record(traj, self.token_texts, kind="train", step=step, sample=sample,
-                                             advantage=advantage, gap=gap))
+            records.append(trajectory_record(traj, self.token_texts, kind="train", step=step, sample=sample, phase=self.phase,
+                                             advantage=advantage, gap=gap, weights=self.weights))
         self.sink.log_rollouts(records, step)
 
     def on_eval(self, step: int, trajectories: list[Trajectory]) -> None:
@@ -240,8 +259,8 @@ class RolloutRecorder:
         records = []
         for traj in keep:
             total, scores = self.rewards.breakdown(traj) if self.rewards is not None else (traj.reward, traj.rewards)
-            records.append(trajectory_record(traj, self.token_texts, kind="eval", step=step,
-                                             rewards=scores, reward=total))
+            records.append(trajectory_record(traj, self.token_texts, kind="eval", step=step, phase=self.phase,
+                                             rewards=scores, reward=total, weights=self.weights))
         self.sink.log_rollouts(records, step)
 
 

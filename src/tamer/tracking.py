@@ -282,16 +282,58 @@ def _drop_torn_tail(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+def summary_baselines(summary: Mapping[str, Any], sft_summary: Mapping[str, Any] | None = None) -> dict:
+    """{eval key: {"demonstrator": level, "SFT": level}} from a demo's summary and an SFT summary.
+
+    Reads `demonstrator_accuracy`/`sft_accuracy` (single-turn demo), the `demonstrator`/`sft`
+    sections (agent demo) and `sft_eval/*` (sft/summary.json); non-numbers are skipped.
+    """
+    out: dict[str, dict[str, float]] = {}
+
+    def put(key: str, label: str, value: Any) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out.setdefault(key, {}).setdefault(label, float(value))
+
+    put("eval/accuracy", "demonstrator", summary.get("demonstrator_accuracy"))
+    put("eval/accuracy", "SFT", summary.get("sft_accuracy"))
+    for label, section in (("demonstrator", "demonstrator"), ("SFT", "sft")):
+        if isinstance(summary.get(section), Mapping):
+            for key, value in summary[section].items():
+                put(f"eval/{key}", label, value)
+    for key, value in (sft_summary or {}).items():
+        if key.startswith("sft_eval/"):
+            put("eval/" + key[len("sft_eval/"):], "SFT", value)
+    return out
+
+
+def read_baselines(output_dir: str | Path, demo: bool = True) -> dict:
+    """`summary_baselines` of OUTPUT_DIR/summary.json (with `demo`) and OUTPUT_DIR/sft/summary.json.
+
+    An RL phase still running reads only the SFT summary: the demo's may be an earlier run's.
+    """
+    def load(path: Path) -> dict:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+    output_dir = Path(output_dir)
+    top = load(output_dir / "summary.json") if demo else {}
+    return summary_baselines(top, load(output_dir / "sft" / "summary.json"))
+
+
+BASELINE_STYLES = {"demonstrator": ("tab:gray", ":"), "SFT": ("tab:orange", "--")}
+
+
 def plot_metrics(
     metrics_path: str | Path,
     out_png: str | Path,
     keys: Sequence[str] = ("reward/mean", "eval/accuracy"),
     title: str | None = None,
+    baselines: Mapping[str, Mapping[str, float]] | None = None,
 ) -> Path:
     """Plot `keys` against step, one subplot per key present; returns the PNG path.
 
     Keys absent from the log are skipped; if none is present the figure says so. Eval
     keys (logged every few steps) are drawn with markers so sparse points stay visible.
+    `baselines` ({key: {label: level}}, e.g. from `summary_baselines`) adds dashed levels.
     """
     # Figure + Agg canvas directly rather than pyplot: no global backend switch, no display.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -306,7 +348,12 @@ def plot_metrics(
     for ax, key in zip(axes, present):
         steps, values = series[key]
         marker = "o" if key.startswith("eval/") else None
-        ax.plot(steps, values, marker=marker, markersize=4, linewidth=1.5)
+        ax.plot(steps, values, marker=marker, markersize=4, linewidth=1.5, label="this run")
+        for label, level in (baselines or {}).get(key, {}).items():
+            color, style = BASELINE_STYLES.get(label, ("tab:green", "-."))
+            ax.axhline(level, color=color, linestyle=style, linewidth=1.2, label=f"{label} {level:.3g}")
+        if (baselines or {}).get(key):
+            ax.legend(fontsize=8, loc="best")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     if not present:
