@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tamer.config import ConfigError, load_config, to_dict
@@ -48,7 +49,7 @@ def _guard(job: Callable[[], Any]) -> Any:
     try:
         return job()
     except (ConfigError, DatasetError, FileNotFoundError) as err:
-        console.print(f"[bold red]error:[/] {err}", soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)  # text such as "[wandb]" stays
         raise typer.Exit(2) from None
 
 
@@ -128,15 +129,21 @@ def train(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt
 @app.command("eval")
 def eval_(model: str = typer.Option(..., "--model", "-m", help="Local Hugging Face model directory to evaluate."),
           config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
-          as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table.")) -> None:
+          as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+          show: int = typer.Option(0, "--show", min=0, help="Also print N held-out episodes: turns, tool calls, results, reward breakdown.")) -> None:
     """Held-out evaluation: greedy accuracy, mean completion length, pass@k (eval.pass_k)."""
     cfg = _guard(lambda: _config(config, set_, None, None, [f"model.path={model}"]))
     from tamer.pipeline import run_eval
+    from tamer.transcripts import print_episodes
 
-    result = _guard(lambda: run_eval(cfg))
+    from tamer.progress import ProgressView
+
+    with ProgressView(Console(stderr=True), "held-out", None):  # a bar on a terminal; stdout stays the result
+        result = _guard(lambda: run_eval(cfg, show=show))
     if as_json:
         print(json.dumps(result))
         return
+    print_episodes(console, result.pop("episodes", []))
     table = Table(title=f"{cfg.task.name}: {result['num_tasks']} held-out tasks")
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -40,6 +40,7 @@ from tamer.tracking_backends import MlflowConfig, WandbConfig, check_backends, o
 from tamer.trainers.common import OptimConfig, seed_everything
 from tamer.trainers.rl import RLConfig, RLTrainer
 from tamer.trainers.sft import SFTConfig, SFTTrainer, demonstration_texts, demonstrations
+from tamer.transcripts import episode_records
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -227,13 +228,16 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = Fals
     return result
 
 
-def run_eval(config: RunConfig) -> dict[str, Any]:
-    """Held-out evaluation of `config.model` on `config.task`."""
+def run_eval(config: RunConfig, show: int = 0) -> dict[str, Any]:
+    """Held-out evaluation of `config.model` on `config.task`; `show` > 0 adds that many "episodes"."""
     model, tokenizer = build_policy(config.model, config.task)
     source = get_task_source(config.task)
     _, heldout = source.split()
     report = evaluate_model(model, tokenizer, heldout, config.eval, config.agent)
-    return {"accuracy": report.accuracy, "num_tasks": report.num_tasks, **report.metrics()}
+    result = {"accuracy": report.accuracy, "num_tasks": report.num_tasks, **report.metrics()}
+    if show:  # transcripts (tamer.transcripts): turns, tool calls and results, reward breakdown
+        result["episodes"] = episode_records(report.trajectories[:show], tokenizer, RewardComposer(config.reward))
+    return result
 
 
 def _as_eval(sft_result: dict[str, Any]) -> dict[str, float]:

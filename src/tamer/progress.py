@@ -59,18 +59,19 @@ class ProgressView:
             raise ValueError(f"console_every must be >= 1, got {every}")
         self.console, self.description, self.total, self.every = console, description, total, every
         self.latest: dict[str, float | int] = {}  # eval keys arrive rarely; keep the last seen
-        self.created = time.perf_counter()
         self.base: tuple[float, int] | None = None  # (time, step) that s/step is measured from
         self.last_step: int | None = None
         self.last_printed: tuple[float, int] | None = None
         self.progress: Progress | None = None
-        if console.is_terminal and total is not None:
+        self.task = None  # the bar of the phase's steps (a terminal and a known total)
+        if console.is_terminal:
             self.progress = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("{task.fields[eta]}"),
                 TextColumn("{task.fields[headline]}"), console=console,
             )
-            self.task = self.progress.add_task(description, total=total, rate="", eta="", headline="")
+            if total is not None:
+                self.task = self.progress.add_task(description, total=total, rate="", eta="", headline="")
             self.progress.start()
         self._previous = _ACTIVE.get()
         _ACTIVE.set(self)
@@ -98,10 +99,10 @@ class ProgressView:
     def update(self, step: int, metrics: Mapping[str, float | int] = {}) -> None:
         """`step` steps are done; `metrics` may carry headline figures."""
         self.latest.update({k: metrics[k] for k in HEADLINE_KEYS if k in metrics})
-        if self.base is None:  # step 0 is a starting evaluation; a resumed run starts after its step
-            self.base = (time.perf_counter(), 0) if step == 0 else (self.created, step - 1)
+        if self.base is None:  # measured from the first report: start-up work (data, model) is not a step
+            self.base = (time.perf_counter(), step)
         self.last_step = step
-        if self.progress is not None:
+        if self.task is not None:
             rate, eta = self.seconds_per_step(), self.eta()
             self.progress.update(self.task, completed=step, headline=self.headline(),
                                  rate=f"{rate:.2f} s/step" if rate is not None else "",
@@ -126,7 +127,7 @@ class ProgressView:
         self.last_printed = (time.perf_counter(), step)
 
     @contextlib.contextmanager
-    def task(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
+    def subtask(self, description: str, total: int) -> Iterator[Callable[[int], None]]:
         """A sub-task (an evaluation): a transient bar on a terminal, one closing line elsewhere."""
         start = time.perf_counter()
         done = 0
@@ -153,7 +154,8 @@ class ProgressView:
             _ACTIVE.set(self._previous)
         if self.progress is not None:
             self.progress.stop()
-        elif self.last_step is not None and (self.last_printed is None or self.last_printed[1] != self.last_step):
+        unprinted = self.last_step is not None and (self.last_printed is None or self.last_printed[1] != self.last_step)
+        if self.task is None and unprinted:
             self._print_line(self.last_step)  # the final state is always worth one line
 
     def __enter__(self) -> "ProgressView":
@@ -181,5 +183,5 @@ def progress_task(description: str, total: int) -> Iterator[Callable[[int], None
     if view is None:
         yield lambda n: None
         return
-    with view.task(description, total) as advance:
+    with view.subtask(description, total) as advance:
         yield advance

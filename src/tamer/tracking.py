@@ -335,6 +335,16 @@ def plot_metrics(
     keys (logged every few steps) are drawn with markers so sparse points stay visible.
     `baselines` ({key: {label: level}}, e.g. from `summary_baselines`) adds dashed levels.
     """
+    fig = metrics_figure(metrics_path, keys, title, baselines)
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    return out_png
+
+
+def metrics_figure(metrics_path: str | Path, keys: Sequence[str], title: str | None = None,
+                   baselines: Mapping[str, Mapping[str, float]] | None = None):
+    """The matplotlib Figure `plot_metrics` saves."""
     # Figure + Agg canvas directly rather than pyplot: no global backend switch, no display.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -360,10 +370,7 @@ def plot_metrics(
         axes[0].text(0.5, 0.5, f"no data for {', '.join(keys)}", ha="center", va="center")
     axes[-1].set_xlabel("step")
     fig.suptitle(title if title is not None else _metrics_file(metrics_path).resolve().parent.name)
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=100)
-    return out_png
+    return fig
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:

@@ -255,7 +255,10 @@ function renderCurves() {
   const moreBox = el("div", { id: "charts-more", style: "display:flex;flex-wrap:wrap;gap:12px" });
   more.append(moreBox);
   for (const key of ordered) {
-    const lines = Object.entries(metrics).map(([phase, records]) => ({ phase, points: series(records, key) })).filter((l) => l.points.length);
+    // One phase per chart: steps count SFT updates in one and RL updates in the other. RL first;
+    // the SFT model's held-out level is the RL curve's step 0 and the dashed "SFT" line.
+    const lines = ["rl", "sft", ...Object.keys(metrics)].filter((p) => metrics[p])
+      .map((phase) => ({ phase, points: series(metrics[phase], key) })).filter((l) => l.points.length).slice(0, 1);
     if (!lines.length) continue;
     const base = (DATA.baselines || {})[key];
     const legend = lines.map((l) => l.phase).join(", ") + (base ? ` · dashed: ${Object.keys(base).join(", ")}` : "");
