@@ -12,10 +12,12 @@ def test_baselines_from_demo_and_sft_summaries(tmp_path):
     (tmp_path / "sft").mkdir()
     (tmp_path / "summary.json").write_text(json.dumps({"demonstrator_accuracy": 0.772, "sft_accuracy": 0.595,
                                                        "plot": "x.png", "config": {"a": 1}}))
-    (tmp_path / "sft" / "summary.json").write_text(json.dumps({"sft_eval/accuracy": 0.5, "sft_eval/mean_length": 20.0}))
+    (tmp_path / "sft" / "summary.json").write_text(json.dumps({"sft_eval/accuracy": 0.5, "sft_eval/mean_length": 20.0,
+                                                               "demonstrator_accuracy": 0.7}))
     assert read_baselines(tmp_path) == {"eval/accuracy": {"demonstrator": 0.772, "SFT": 0.595},
                                         "eval/mean_length": {"SFT": 20.0}}  # the demo's own SFT figure wins
-    assert read_baselines(tmp_path, demo=False) == {"eval/accuracy": {"SFT": 0.5}, "eval/mean_length": {"SFT": 20.0}}
+    assert read_baselines(tmp_path, demo=False) == {"eval/accuracy": {"demonstrator": 0.7, "SFT": 0.5},
+                                                    "eval/mean_length": {"SFT": 20.0}}
     agent = {"demonstrator": {"success_rate": 1.0, "mean_cost_ratio": None}, "sft": {"success_rate": 0.8}}
     assert summary_baselines(agent) == {"eval/success_rate": {"demonstrator": 1.0, "SFT": 0.8}}
 

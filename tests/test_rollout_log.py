@@ -149,3 +149,19 @@ def test_episode_panel_shows_tool_calls_results_and_errors(tokenizer):
     text = out.getvalue()
     assert '-> calculate({"expression": "1+"})' in text and "error:" in text and "<- " in text
     assert "finish: stop" in text and "success: True" in text
+
+
+def test_tensorboard_gets_the_rollouts_as_a_text_table(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    record = {"kind": "train", "step": 3, "group": 1, "sample": 0, "reward": 1.0, "rewards": {"correctness": 1.0},
+              "advantage": 0.5, "logprob_gap": 0.0, "truncated": False, "num_tool_calls": 0, "num_errors": 0,
+              "completion": "<answer>85</answer>", "task": {"messages": [{"role": "user", "content": "47+38"}], "answer": "85"}}
+    with Tracker(tmp_path, console=False) as tracker:
+        tracker.log_rollouts([record], step=3)
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    events.Reload()
+    (event,) = events.Tensors("rollouts/train/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 3 and "| 1 | 0 | 47+38 | 1.000 | 0.500 | False | <answer>85</answer> |" in text
+    assert read_rollouts(tmp_path)[0]["completion"] == "<answer>85</answer>"

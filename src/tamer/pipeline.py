@@ -192,6 +192,8 @@ def run_sft(config: RunConfig, model=None, tokenizer=None, source: TaskSource | 
     save_model(model, tokenizer, out / "model")
     result = {"sft_loss": loss, "sft_accuracy": report.accuracy, "sft_seconds": time.perf_counter() - start,
               "model_path": str(out / "model"), **report.metrics("sft_eval")}
+    if heldout[0].env is None:  # what the demonstrations score on the same held-out tasks (plots' baseline)
+        result["demonstrator_accuracy"] = demonstrator_accuracy(source, heldout[: config.eval.size or None], config.sft.seed)
     write_json(out / "summary.json", result)
     return result
 

@@ -286,7 +286,8 @@ def summary_baselines(summary: Mapping[str, Any], sft_summary: Mapping[str, Any]
     """{eval key: {"demonstrator": level, "SFT": level}} from a demo's summary and an SFT summary.
 
     Reads `demonstrator_accuracy`/`sft_accuracy` (single-turn demo), the `demonstrator`/`sft`
-    sections (agent demo) and `sft_eval/*` (sft/summary.json); non-numbers are skipped.
+    sections (agent demo), and `demonstrator_accuracy`, `sft_eval/*` of sft/summary.json;
+    the first value found for a level wins; non-numbers are skipped.
     """
     out: dict[str, dict[str, float]] = {}
 
@@ -300,6 +301,7 @@ def summary_baselines(summary: Mapping[str, Any], sft_summary: Mapping[str, Any]
         if isinstance(summary.get(section), Mapping):
             for key, value in summary[section].items():
                 put(f"eval/{key}", label, value)
+    put("eval/accuracy", "demonstrator", (sft_summary or {}).get("demonstrator_accuracy"))
     for key, value in (sft_summary or {}).items():
         if key.startswith("sft_eval/"):
             put("eval/" + key[len("sft_eval/"):], "SFT", value)
