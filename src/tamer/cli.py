@@ -134,9 +134,8 @@ def eval_(model: str = typer.Option(..., "--model", "-m", help="Local Hugging Fa
     """Held-out evaluation: greedy accuracy, mean completion length, pass@k (eval.pass_k)."""
     cfg = _guard(lambda: _config(config, set_, None, None, [f"model.path={model}"]))
     from tamer.pipeline import run_eval
-    from tamer.transcripts import print_episodes
-
     from tamer.progress import ProgressView
+    from tamer.transcripts import print_episodes
 
     with ProgressView(Console(stderr=True), "held-out", None):  # a bar on a terminal; stdout stays the result
         result = _guard(lambda: run_eval(cfg, show=show))
