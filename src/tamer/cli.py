@@ -3,6 +3,7 @@
     tamer demo [--env calculator]        tiny model -> SFT -> GRPO -> held-out table
     tamer sft | train | eval             one phase of a run
     tamer compare | advise               GRPO vs PPO side by side; does my agent need RL, and which
+    tamer view RUN_DIR                   a self-contained HTML page of a run's rollouts and curves
     tamer config show | list             the resolved config with each field's help; the presets
     tamer sandbox run | check            untrusted Python in a locked-down process
 
@@ -22,6 +23,7 @@ from typing import Any, Callable, NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tamer.advise import AdviseConfig, run_advise
@@ -30,14 +32,18 @@ from tamer.config import ConfigError, describe, from_dict, load_config
 from tamer.phases import PhaseError
 from tamer.pipeline import RunConfig, run_demo, run_eval, run_rl, run_sft, seed_overrides, write_json
 from tamer.presets import config_file, describe_preset, preset_names, preset_path
+from tamer.progress import ProgressView
 from tamer.tasks.dataset import DatasetError
 from tamer.tools.sandbox import NETWORK_MODES, SandboxConfig, SandboxError, run_file, run_python
+from tamer.transcripts import print_episodes
+from tamer.viewer import ViewError, make_server, write_page
 
 app = typer.Typer(
     help="tamer: train LLM agents with reinforcement learning from verifiable feedback.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
 )
 console = Console()
+err_console = Console(stderr=True)  # warnings: stdout stays the result (--json)
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML file (RunConfig sections) or a preset name "
                          "(`tamer config list`); repeatable, later files win.")
@@ -77,12 +83,13 @@ def _guard(job: Callable[[], Any]) -> Any:
 
 
 def _fail(message: str, code: int) -> NoReturn:
-    console.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False)
+    # escape: text such as 'pip install "tamer[wandb]"' is not Rich markup
+    console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)
     raise typer.Exit(code)
 
 
 def _warn(message: str) -> None:
-    console.print(f"[yellow]warning:[/] {message}", soft_wrap=True, highlight=False)
+    err_console.print(f"[yellow]warning:[/] {message}", soft_wrap=True, highlight=False)
 
 
 def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
@@ -158,15 +165,19 @@ def train(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = S
 @app.command("eval")
 def eval_(model: str = typer.Option(..., "--model", "-m", help="Local Hugging Face model directory to evaluate."),
           config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
-          imports: Optional[list[str]] = ImportOpt, as_json: bool = JsonOpt) -> None:
+          imports: Optional[list[str]] = ImportOpt, as_json: bool = JsonOpt,
+          show: int = typer.Option(0, "--show", min=0, help="Also print N held-out episodes: turns, tool calls, "
+                                   "results, reward breakdown.")) -> None:
     """Held-out evaluation: greedy accuracy, mean completion length, pass@k (eval.pass_k)."""
     cfg = _guard(lambda: load_run_config(config, set_, imports, model=model))
     if not config and not any(item.startswith("task.") for item in set_ or []):
         _warn(f"no --config: evaluating on the default task {cfg.task.name!r}")
-    result = _guard(lambda: run_eval(cfg))
+    with ProgressView(Console(stderr=True), "held-out", None):  # a bar on a terminal; stdout stays the result
+        result = _guard(lambda: run_eval(cfg, show=show))
     if as_json:
         print(json.dumps(result))
         return
+    print_episodes(console, result.pop("episodes", []))
     rows = [[key, f"{value:.4g}" if isinstance(value, float) else str(value)] for key, value in result.items()]
     _table(f"{cfg.task.name}: {result['num_tasks']} held-out tasks", ["metric", "value"], rows)
 
@@ -245,6 +256,35 @@ def advise(
         print(json.dumps(advice.to_dict(), default=str))
     else:
         typer.echo(advice.text())
+
+
+@app.command()
+def view(
+    run_dir: Path = typer.Argument(..., help="A run's output directory (e.g. runs/demo) or one phase of it (runs/demo/rl)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the page "
+                                          "(default RUN_DIR/view.html)."),
+    serve: bool = typer.Option(False, "--serve", help="Also serve the page on http://127.0.0.1:PORT/ until Ctrl-C."),
+    port: int = typer.Option(8765, "--port", help="Port for --serve (127.0.0.1 only)."),
+) -> None:
+    """Write a self-contained HTML page of a run's rollouts and curves (no network needed to open it)."""
+    try:
+        page = write_page(run_dir, output)
+    except (ViewError, ValueError, OSError) as err:
+        _fail(str(err), 2)
+    console.print(f"wrote {page} ({page.stat().st_size / 1024:.0f} KiB); open it in a browser", soft_wrap=True)
+    if not serve:
+        return
+    try:
+        server = make_server(page, port)
+    except OSError as err:
+        _fail(f"--port {port}: {err.strerror or err}", 2)
+    console.print(f"serving http://127.0.0.1:{server.server_address[1]}/{page.name} (Ctrl-C stops)")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
 
 
 # ---------------------------------------------------------------------------- config

@@ -98,23 +98,45 @@ def run_compare(config: RunConfig, *, sft_model: str | None = None, quiet: bool 
 
 
 def plot_compare(rows: dict[str, dict], out_png: Path, title: str) -> Path:
-    """Reward (mean per step) and held-out accuracy against step, both methods on one figure."""
-    fig = Figure(figsize=(6.4, 5.6), layout="constrained")
-    FigureCanvasAgg(fig)
-    reward_ax, acc_ax = fig.subplots(2, 1, sharex=True)
-    for method in METHODS:
-        for ax, key, marker in ((reward_ax, "reward_curve", None), (acc_ax, "accuracy_curve", "o")):
-            points = rows[method][key]
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, markersize=4, label=LABELS[method])
-    if rows["sft"]["heldout_accuracy"] is not None:
-        acc_ax.axhline(rows["sft"]["heldout_accuracy"], color="gray", linestyle="--", label="SFT (start)")
-    reward_ax.set_ylabel("reward/mean")
-    acc_ax.set_ylabel("held-out accuracy")
-    acc_ax.set_xlabel("RL step")
-    for ax in (reward_ax, acc_ax):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(title)
+    """Write `compare_figure` as a PNG; returns its path."""
+    fig = compare_figure(rows, title)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=100)
     return out_png
+
+
+def compare_figure(rows: dict[str, dict], title: str):
+    """One figure: every method's reward and held-out accuracy curves, peak memory and seconds.
+
+    Accuracy shows SFT's level (where both RL methods start) dashed; the memory panel marks
+    the interpreter + torch baseline every process pays, so the difference above it shows.
+    """
+    fig = Figure(figsize=(11, 7.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    (reward_ax, acc_ax), (mem_ax, sec_ax) = fig.subplots(2, 2)
+    colors = {"sft": "tab:gray", "grpo": "tab:blue", "ppo": "tab:red"}
+    for method in METHODS:
+        for ax, key, marker in ((reward_ax, "reward_curve", None), (acc_ax, "accuracy_curve", "o")):
+            points = rows[method][key]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, markersize=4,
+                    color=colors[method], label=LABELS[method])
+    if rows["sft"]["heldout_accuracy"] is not None:
+        acc_ax.axhline(rows["sft"]["heldout_accuracy"], color=colors["sft"], linestyle="--",
+                       label=f"SFT {rows['sft']['heldout_accuracy']:.3f}")
+    reward_ax.set(ylabel="reward/mean", xlabel="RL step", title="reward per step")
+    acc_ax.set(ylabel="held-out accuracy", xlabel="RL step", title="held-out accuracy")
+    names = list(rows)
+    labels = [LABELS.get(m, m) for m in names]
+    bars = mem_ax.bar(labels, [rows[m]["peak_rss_mb"] for m in names], color=[colors.get(m, "tab:green") for m in names])
+    mem_ax.bar_label(bars, fmt="%.0f")
+    mem_ax.axhline(rows["sft"]["baseline_rss_mb"], color="black", linestyle=":", label="Python + torch baseline")
+    mem_ax.set(ylabel="peak RSS (MB, measured)", title="peak memory, each method in its own process")
+    bars = sec_ax.bar(labels, [rows[m]["seconds"] for m in names], color=[colors.get(m, "tab:green") for m in names])
+    sec_ax.bar_label(bars, fmt="%.0f")
+    sec_ax.set(ylabel="seconds", title="wall-clock time")
+    for ax in (reward_ax, acc_ax, mem_ax):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    sec_ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    return fig

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from math import comb
 
 from tamer.config import FieldError
+from tamer.progress import progress_task
 from tamer.rewards import correctness
 from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams, Trajectory
@@ -81,7 +82,13 @@ def agent_metrics(trajs: list[Trajectory]) -> dict[str, float]:
 def evaluate(rollout: Rollout, tasks: list[Task], config: EvalConfig, stop_ids: tuple[int, ...]) -> EvalReport:
     tasks = tasks[: config.size] if config.size else tasks
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=config.max_new_tokens, stop_token_ids=stop_ids)
-    trajs = rollout.run(tasks, greedy)
+    # Chunks as large as the engine's own batches: progress to show, the same batches as one call.
+    chunk = getattr(rollout.engine, "max_batch", len(tasks)) or len(tasks)
+    trajs: list[Trajectory] = []
+    with progress_task("eval", len(tasks)) as advance:
+        for start in range(0, len(tasks), chunk):
+            trajs += rollout.run(tasks[start:start + chunk], greedy, group_offset=start)
+            advance(len(tasks[start:start + chunk]))
     accuracy = sum(correctness(t) for t in trajs) / len(trajs)
     mean_length = sum(t.num_generated for t in trajs) / len(trajs)
     report = EvalReport(accuracy, mean_length, num_tasks=len(tasks), trajectories=trajs)

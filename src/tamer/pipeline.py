@@ -32,12 +32,15 @@ from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.rollout.engine import GenerationEngine, HFEngine
 from tamer.rollout.runner import Rollout
+from tamer.rollout_log import RolloutRecorder
 from tamer.tasks import TaskConfig, get_task_source
 from tamer.tasks.base import Task, TaskSource
-from tamer.tracking import Tracker, TrackingConfig, plot_metrics
+from tamer.tracking import Tracker, TrackingConfig, plot_metrics, read_baselines, summary_baselines
+from tamer.tracking_backends import open_sinks
 from tamer.trainers.common import OptimConfig, seed_everything
 from tamer.trainers.rl import RLConfig, RLTrainer
 from tamer.trainers.sft import SFTConfig, SFTTrainer, demonstration_texts, demonstrations
+from tamer.transcripts import episode_records
 
 
 @dataclass(frozen=True)
@@ -90,9 +93,11 @@ def with_checkpointing(policy: tuple[PreTrainedModel, PreTrainedTokenizerBase], 
 
 
 def tracker_for(config: RunConfig, sub: str, total_steps: int, description: str, append: bool = False) -> Tracker:
-    return Tracker(Path(config.output_dir) / sub, console=config.tracking.console,
-                   tensorboard=config.tracking.tensorboard, total_steps=total_steps,
-                   description=description, append=append, console_every=config.tracking.console_every)
+    tracking = config.tracking
+    return Tracker(Path(config.output_dir) / sub, console=tracking.console,
+                   tensorboard=tracking.tensorboard and "tensorboard" in tracking.backends, total_steps=total_steps,
+                   description=description, append=append, console_every=tracking.console_every,
+                   sinks=open_sinks(tracking, config.output_dir, sub, to_dict(config)), health=tracking.health)
 
 
 def evaluate_model(model, tokenizer, tasks: list[Task], config: RunConfig,
@@ -108,7 +113,8 @@ def make_trainer(config: RunConfig, model, tokenizer, *, tracker: Tracker | None
     """The RL trainer a run's config describes, on its task's train and held-out splits."""
     train, heldout = get_task_source(config.task).split()
     return RLTrainer(model, tokenizer, train, heldout, RewardComposer(config.reward), config.rl, config.eval,
-                     run_dir=Path(config.output_dir) / "rl", tracker=tracker, agent=config.agent, engine=engine)
+                     run_dir=Path(config.output_dir) / "rl", tracker=tracker, agent=config.agent, engine=engine,
+                     rollout_log=config.tracking.rollouts)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> Path:
@@ -133,10 +139,15 @@ def run_sft(config: RunConfig, model=None, tokenizer=None, source: TaskSource | 
         loss = SFTTrainer(model, tokenizer, data, config.sft).train(tracker)
         report = evaluate_model(model, tokenizer, heldout, config)
         tracker.log(report.metrics(), config.sft.steps)
+        RolloutRecorder(config.tracking.rollouts, tokenizer, RewardComposer(config.reward), tracker, "sft").on_eval(
+            config.sft.steps, report.trajectories)  # the SFT model's held-out episodes, for `tamer view`
+        tracker.log_summary({"sft_loss": loss, "sft_seconds": time.perf_counter() - start, **report.metrics("sft_eval")})
     out = Path(config.output_dir) / "sft"
     save_model(model, tokenizer, out / "model")
     result = {"sft_loss": loss, "sft_accuracy": report.accuracy, "sft_seconds": time.perf_counter() - start,
               "model_path": str(out / "model"), **report.metrics("sft_eval")}
+    if heldout[0].env is None:  # what the demonstrations score on the same held-out tasks (plots' baseline)
+        result["demonstrator_accuracy"] = demonstrator_accuracy(source, heldout[: config.eval.size or None], config.sft.seed)
     write_json(out / "summary.json", result)
     return result
 
@@ -156,8 +167,11 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = Fals
             tracker.truncate_after(trainer.resume(checkpoint))
             tracker.print(f"resumed from {checkpoint} at step {trainer.step}")
         final = trainer.train(initial_eval)
+        tracker.log_summary({"rl_steps": trainer.step, "rl_seconds": time.perf_counter() - start,
+                             "reward_errors": trainer.rewards.total_errors, **final})
     plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png",
-                        title=f"{config.rl.algorithm.advantage} on {config.task.name}")
+                        title=f"{config.rl.algorithm.advantage} on {config.task.name}",
+                        baselines=read_baselines(config.output_dir, demo=False))
     save_model(model, tokenizer, run_dir / "model")
     result = {"rl_accuracy": final.get("eval/accuracy"), "rl_steps": trainer.step,
               "rl_seconds": time.perf_counter() - start, "model_path": str(run_dir / "model"),
@@ -166,12 +180,15 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = Fals
     return result
 
 
-def run_eval(config: RunConfig) -> dict[str, Any]:
-    """Held-out evaluation of `config.model` on `config.task`."""
+def run_eval(config: RunConfig, show: int = 0) -> dict[str, Any]:
+    """Held-out evaluation of `config.model` on `config.task`; `show` > 0 adds that many "episodes"."""
     model, tokenizer = build_policy(config.model, config.task)
     _, heldout = get_task_source(config.task).split()
     report = evaluate_model(model, tokenizer, heldout, config)
-    return {"accuracy": report.accuracy, "num_tasks": report.num_tasks, **report.metrics()}
+    result = {"accuracy": report.accuracy, "num_tasks": report.num_tasks, **report.metrics()}
+    if show:  # transcripts (tamer.transcripts): turns, tool calls and results, reward breakdown
+        result["episodes"] = episode_records(report.trajectories[:show], tokenizer, RewardComposer(config.reward))
+    return result
 
 
 def _as_eval(sft_result: dict[str, Any]) -> dict[str, float]:
@@ -210,7 +227,8 @@ def run_demo(config: RunConfig) -> dict[str, Any]:
         "model_parameters": count_parameters(model), "plot": rl["plot"],
         "sft_model": sft["model_path"], "rl_model": rl["model_path"], "config": to_dict(config),
     }
-    plot_metrics(out / "rl" / "metrics.jsonl", out / "reward_accuracy.png", title="GRPO after SFT")
+    plot_metrics(out / "rl" / "metrics.jsonl", out / "reward_accuracy.png", title="GRPO after SFT",
+                 baselines=summary_baselines(summary))
     summary["plot"] = str(out / "reward_accuracy.png")
     write_json(out / "summary.json", summary)
     return summary
@@ -234,7 +252,7 @@ def _agent_demo(config: RunConfig, model, tokenizer, source: TaskSource, eval_ta
     }
     plot_metrics(out / "rl" / "metrics.jsonl", out / "reward_accuracy.png",
                  keys=("reward/mean", "eval/success_rate", "eval/mean_tool_calls", "eval/mean_cost_ratio"),
-                 title=f"GRPO on {config.task.name}")
+                 title=f"GRPO on {config.task.name}", baselines=summary_baselines(summary))
     summary["plot"] = str(out / "reward_accuracy.png")
     write_json(out / "summary.json", summary)
     return summary

@@ -136,6 +136,7 @@ class RewardComposer:
         self.config = config
         self.functions = {name: REWARDS.get(name) for name in config.weights}
         self.total_errors = 0
+        self.errors_by_name = {name: 0 for name in self.functions}  # cumulative, per function
         self.first_traceback: str | None = None
 
     def _call(self, name: str, traj: Trajectory) -> tuple[float, str | None]:
@@ -146,6 +147,11 @@ class RewardComposer:
         if math.isnan(value):
             return self.config.default_on_error, f"reward function {name!r} returned NaN"
         return value, None
+
+    def breakdown(self, traj: Trajectory) -> tuple[float, dict[str, float]]:
+        """(weighted total, unweighted score per function) of one trajectory; counts nothing, changes nothing."""
+        scores = {name: self._call(name, traj)[0] for name in self.functions}
+        return sum(self.config.weights[n] * v for n, v in scores.items()), scores
 
     def score(self, trajectories: list[Trajectory]) -> RewardStats:
         sums = {name: 0.0 for name in self.functions}
@@ -162,6 +168,8 @@ class RewardComposer:
                 sums[name] += value
             traj.reward = sum(self.config.weights[n] * v for n, v in traj.rewards.items())
         self.total_errors += sum(errors.values())
+        for name, count in errors.items():
+            self.errors_by_name[name] += count
         self.first_traceback = self.first_traceback or first_tb
         n = max(1, len(trajectories))
         total = sum(t.reward for t in trajectories) / n

@@ -4,7 +4,12 @@ Trainers, evaluators and the CLI report numbers here and nowhere else; algorithm
 never logs. A run directory ends up holding:
 
     run_dir/metrics.jsonl   one JSON object per `log` call: {"step", "time", **metrics}
+    run_dir/rollouts.jsonl  saved rollouts (`log_rollouts`; see tamer.rollout_log)
     run_dir/tb/             TensorBoard event files (`tensorboard --logdir run_dir/tb`)
+
+Experiment trackers (W&B, MLflow: tamer.tracking_backends) are further sinks passed in as
+`sinks`; they receive the same scalars, the rollouts as tables and the final summary. A
+`HealthMonitor` (tamer.health) reads every record and adds its `health/*` flags to it.
 
     with Tracker("runs/gsm8k", total_steps=200) as tracker:
         for step in range(1, 201):
@@ -16,10 +21,9 @@ never logs. A run directory ends up holding:
 Resuming: open with `append=True`, then `truncate_after(resume_step)` so records the
 crashed run wrote after its last checkpoint are dropped instead of duplicated.
 
-On a terminal the console shows a Rich progress bar whose description carries the
-latest reward and accuracy; when stdout is not a terminal (CI, `nohup`, a pipe) a bar
-would print a line per refresh, so it falls back to one short line every
-`console_every` steps.
+On a terminal the console shows a Rich progress bar (tamer.progress) with the latest loss,
+reward and accuracy, seconds per step and the ETA; when stdout is not a terminal (CI,
+`nohup`, a pipe) it falls back to one short line every `console_every` steps.
 """
 
 from __future__ import annotations
@@ -29,35 +33,41 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Iterable, Mapping, Sequence
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
-)
 from rich.table import Table
 
 from tamer.config import FieldError
+from tamer.health import HealthConfig, HealthMonitor
+from tamer.progress import ProgressView
+from tamer.rollout_log import RolloutFile, RolloutLogConfig, rollouts_markdown
+from tamer.tracking_backends import MlflowConfig, WandbConfig, check_backends
+
 
 @dataclass(frozen=True)
 class TrackingConfig:
-    """Where metrics go besides metrics.jsonl."""
+    """Where metrics, rollouts and warnings go besides metrics.jsonl."""
 
     console: bool = True  # progress bar on a terminal, periodic lines elsewhere
-    tensorboard: bool = True  # TensorBoard event files under the run directory's tb/
+    tensorboard: bool = True  # false drops TensorBoard even when `backends` lists it
     console_every: int = 10  # steps between console lines when stdout is not a terminal
+    backends: tuple[str, ...] = ("tensorboard",)  # tensorboard | wandb | mlflow (tamer.tracking_backends)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # used when backends lists wandb
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)  # used when backends lists mlflow
+    rollouts: RolloutLogConfig = field(default_factory=RolloutLogConfig)  # RL rollouts saved to rollouts.jsonl
+    health: HealthConfig = field(default_factory=HealthConfig)  # training-health warnings
 
     def __post_init__(self) -> None:
         if self.console_every < 1:
             raise FieldError("console_every", f"expected >= 1, got {self.console_every}")
+        check_backends(self.backends)
 
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
-# Keys shown in the progress description and the non-TTY summary line, with short labels.
-HEADLINE_KEYS: dict[str, str] = {"reward/mean": "reward", "eval/accuracy": "acc"}
 RESERVED_KEYS = ("step", "time")
 
 
@@ -81,65 +91,11 @@ def _to_number(key: str, value: Any) -> float | int:
     raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}")
 
 
-def _format(value: float | int) -> str:
-    return str(value) if isinstance(value, int) else f"{value:.4g}"
-
-
-def _headline(latest: Mapping[str, float | int]) -> str:
-    return "  ".join(f"{label} {_format(latest[k])}" for k, label in HEADLINE_KEYS.items() if k in latest)
-
-
-# ---------------------------------------------------------------------------- console
-
-
-class _ConsoleView:
-    """A progress bar on a terminal; elsewhere one summary line every `every` steps."""
-
-    def __init__(self, console: Console, total_steps: int | None, every: int, description: str) -> None:
-        self.console = console
-        self.total_steps = total_steps
-        self.every = every
-        self.description = description
-        self.latest: dict[str, float | int] = {}  # eval keys arrive rarely; keep the last seen
-        self.last_printed: int | None = None
-        self.last_step: int | None = None
-        self.progress: Progress | None = None
-        if console.is_terminal and total_steps is not None:
-            self.progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TimeElapsedColumn(), TimeRemainingColumn(), console=console,
-            )
-            self.task = self.progress.add_task(description, total=total_steps)
-            self.progress.start()
-
-    def update(self, metrics: Mapping[str, float | int], step: int) -> None:
-        self.latest.update({k: metrics[k] for k in HEADLINE_KEYS if k in metrics})
-        self.last_step = step
-        if self.progress is not None:
-            desc = " ".join(filter(None, [self.description, _headline(self.latest)]))
-            self.progress.update(self.task, completed=step, description=desc)
-        elif self.last_printed is None or step - self.last_printed >= self.every:
-            self._print_line(step)
-
-    def _print_line(self, step: int) -> None:
-        total = f"/{self.total_steps}" if self.total_steps is not None else ""
-        parts = [f"{self.description} step {step}{total}", _headline(self.latest)]
-        # markup/highlight off: a metric name like "[x]" must print as written.
-        self.console.print("  ".join(filter(None, parts)), markup=False, highlight=False)
-        self.last_printed = step
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-        elif self.last_step is not None and self.last_step != self.last_printed:
-            self._print_line(self.last_step)  # the final state is always worth one line
-
-
 # ---------------------------------------------------------------------------- tracker
 
 
 class Tracker:
-    """Fan one `log(metrics, step)` call out to the console, metrics.jsonl and TensorBoard.
+    """Fan one `log(metrics, step)` call out to the console, metrics.jsonl, TensorBoard and trackers.
 
     Holds open file handles, so it is not picklable by design; every process that logs
     (normally rank 0 only) makes its own. There is no module-level state.
@@ -157,10 +113,13 @@ class Tracker:
         append: bool = False,
         console_every: int = 10,
         stream: IO[str] | None = None,
+        sinks: Sequence[Any] = (),
+        health: HealthConfig | None = HealthConfig(),
     ) -> None:
         """`append` keeps an existing metrics.jsonl (resume); otherwise old logs are replaced.
         `console_every` is the non-terminal throttle in steps; `stream` redirects console
-        output (default stdout), mostly for tests."""
+        output (default stdout), mostly for tests. `sinks`: opened experiment trackers
+        (tamer.tracking_backends); `health`: the warnings' thresholds, None for none."""
         if console_every < 1:
             raise ValueError(f"console_every must be >= 1, got {console_every}")
         self.run_dir = Path(run_dir)
@@ -169,7 +128,11 @@ class Tracker:
         self._start = time.monotonic()
         self._closed = False
         self.console: Console | None = Console(file=stream) if console else None
-        self._view = _ConsoleView(self.console, total_steps, console_every, description) if self.console else None
+        self._view = ProgressView(self.console, description, total_steps, console_every) if self.console else None
+        self._sinks = list(sinks)
+        self.health = HealthMonitor(health) if health is not None else None
+        self.warnings: list[tuple[int, str]] = []  # (step, message) of every health warning raised
+        self._rollouts = RolloutFile(self.run_dir, append=append)
         self._jsonl: IO[str] | None = None
         if jsonl:
             if append:
@@ -203,6 +166,13 @@ class Tracker:
         if clash:
             raise ValueError(f"metric names {clash} are reserved by the tracker")
         values = {k: _to_number(k, v) for k, v in metrics.items()}
+        if self.health is not None:
+            flags, started = self.health.update(values, int(step))
+            values.update(flags)
+            for message in started:
+                self.warnings.append((int(step), message))
+                if self.console is not None:
+                    self.console.print(f"[bold yellow]warning:[/] {message}", soft_wrap=True, highlight=False)
         record = {"step": int(step), "time": round(time.monotonic() - self._start, 3), **values}
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
@@ -210,8 +180,25 @@ class Tracker:
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, global_step=int(step))
+        for sink in self._sinks:
+            sink.log(values, int(step))
         if self._view is not None:
-            self._view.update(values, int(step))
+            self._view.update(int(step), values)
+
+    def log_rollouts(self, records: list[dict[str, Any]], step: int) -> None:
+        """Append rollout records (tamer.rollout_log) to rollouts.jsonl and send them to the trackers."""
+        if self._closed:
+            raise RuntimeError("Tracker.log_rollouts called after close()")
+        self._rollouts.write(records)
+        if self._tb is not None and records:
+            self._tb.add_text(f"rollouts/{records[0]['kind']}", rollouts_markdown(records), global_step=int(step))
+        for sink in self._sinks:
+            sink.log_rollouts(records, int(step))
+
+    def log_summary(self, summary: Mapping[str, Any]) -> None:
+        """The run's final figures, for the experiment trackers (summary.json is the job's to write)."""
+        for sink in self._sinks:
+            sink.log_summary(dict(summary))
 
     def print(self, msg: Any) -> None:
         """Print through the tracker's console (keeps the progress bar intact)."""
@@ -250,6 +237,7 @@ class Tracker:
             os.replace(tmp, self.metrics_path)
             if self._jsonl is not None:
                 self._jsonl = self.metrics_path.open("a", encoding="utf-8")
+        self._rollouts.truncate_after(step)
         if self._tb is not None:
             # purge_step makes TensorBoard discard events at or after it on reload.
             self._tb.close()
@@ -265,6 +253,9 @@ class Tracker:
         self._closed = True
         if self._view is not None:
             self._view.close()
+        self._rollouts.close()
+        for sink in self._sinks:
+            sink.close()
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
@@ -314,17 +305,71 @@ def _drop_torn_tail(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+def summary_baselines(summary: Mapping[str, Any], sft_summary: Mapping[str, Any] | None = None) -> dict:
+    """{eval key: {"demonstrator": level, "SFT": level}} from a demo's summary and an SFT summary.
+
+    Reads `demonstrator_accuracy`/`sft_accuracy` (single-turn demo), the `demonstrator`/`sft`
+    sections (agent demo), and `demonstrator_accuracy`, `sft_eval/*` of sft/summary.json;
+    the first value found for a level wins; non-numbers are skipped.
+    """
+    out: dict[str, dict[str, float]] = {}
+
+    def put(key: str, label: str, value: Any) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out.setdefault(key, {}).setdefault(label, float(value))
+
+    put("eval/accuracy", "demonstrator", summary.get("demonstrator_accuracy"))
+    put("eval/accuracy", "SFT", summary.get("sft_accuracy"))
+    for label, section in (("demonstrator", "demonstrator"), ("SFT", "sft")):
+        if isinstance(summary.get(section), Mapping):
+            for key, value in summary[section].items():
+                put(f"eval/{key}", label, value)
+    put("eval/accuracy", "demonstrator", (sft_summary or {}).get("demonstrator_accuracy"))
+    for key, value in (sft_summary or {}).items():
+        if key.startswith("sft_eval/"):
+            put("eval/" + key[len("sft_eval/"):], "SFT", value)
+    return out
+
+
+def read_baselines(output_dir: str | Path, demo: bool = True) -> dict:
+    """`summary_baselines` of OUTPUT_DIR/summary.json (with `demo`) and OUTPUT_DIR/sft/summary.json.
+
+    An RL phase still running reads only the SFT summary: the demo's may be an earlier run's.
+    """
+    def load(path: Path) -> dict:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+    output_dir = Path(output_dir)
+    top = load(output_dir / "summary.json") if demo else {}
+    return summary_baselines(top, load(output_dir / "sft" / "summary.json"))
+
+
+BASELINE_STYLES = {"demonstrator": ("tab:gray", ":"), "SFT": ("tab:orange", "--")}
+
+
 def plot_metrics(
     metrics_path: str | Path,
     out_png: str | Path,
     keys: Sequence[str] = ("reward/mean", "eval/accuracy"),
     title: str | None = None,
+    baselines: Mapping[str, Mapping[str, float]] | None = None,
 ) -> Path:
     """Plot `keys` against step, one subplot per key present; returns the PNG path.
 
     Keys absent from the log are skipped; if none is present the figure says so. Eval
     keys (logged every few steps) are drawn with markers so sparse points stay visible.
+    `baselines` ({key: {label: level}}, e.g. from `summary_baselines`) adds dashed levels.
     """
+    fig = metrics_figure(metrics_path, keys, title, baselines)
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    return out_png
+
+
+def metrics_figure(metrics_path: str | Path, keys: Sequence[str], title: str | None = None,
+                   baselines: Mapping[str, Mapping[str, float]] | None = None):
+    """The matplotlib Figure `plot_metrics` saves."""
     # Figure + Agg canvas directly rather than pyplot: no global backend switch, no display.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -338,17 +383,19 @@ def plot_metrics(
     for ax, key in zip(axes, present):
         steps, values = series[key]
         marker = "o" if key.startswith("eval/") else None
-        ax.plot(steps, values, marker=marker, markersize=4, linewidth=1.5)
+        ax.plot(steps, values, marker=marker, markersize=4, linewidth=1.5, label="this run")
+        for label, level in (baselines or {}).get(key, {}).items():
+            color, style = BASELINE_STYLES.get(label, ("tab:green", "-."))
+            ax.axhline(level, color=color, linestyle=style, linewidth=1.2, label=f"{label} {level:.3g}")
+        if (baselines or {}).get(key):
+            ax.legend(fontsize=8, loc="best")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     if not present:
         axes[0].text(0.5, 0.5, f"no data for {', '.join(keys)}", ha="center", va="center")
     axes[-1].set_xlabel("step")
     fig.suptitle(title if title is not None else _metrics_file(metrics_path).resolve().parent.name)
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=100)
-    return out_png
+    return fig
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:

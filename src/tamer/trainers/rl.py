@@ -47,6 +47,7 @@ from tamer.rollout.agent import AgentConfig
 from tamer.rollout.engine import GenerationEngine, HFEngine
 from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams, Trajectory
+from tamer.rollout_log import RolloutLogConfig, RolloutRecorder
 from tamer.tasks.base import Task, TaskPool
 from tamer.trainers.advantage import Advantage, GroupAdvantage
 from tamer.trainers.batch import Batch, collate, micro_batches
@@ -182,6 +183,7 @@ class RLTrainer:
         tracker=None,
         engine: GenerationEngine | None = None,
         agent: AgentConfig = AgentConfig(),
+        rollout_log: RolloutLogConfig | None = None,
     ) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.heldout, self.rewards, self.eval_config = heldout_tasks, rewards, eval_config
@@ -201,6 +203,7 @@ class RLTrainer:
         self.timings: dict[str, float] = {}  # seconds per phase of the current step (time/* metrics)
         self.last_eval: dict[str, float] = {}
         self._reported_reward_error = False
+        self.recorder = RolloutRecorder(rollout_log, tokenizer, rewards, tracker) if rollout_log else None
 
     @staticmethod
     def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
@@ -246,6 +249,9 @@ class RLTrainer:
         with self._timed("update"):
             if trajectories:
                 batch = self.make_batch(trajectories)  # 4: advantages (+ reference logprobs)
+                if self.recorder is not None:  # a sample of the groups to rollouts.jsonl, at the sampling weights
+                    with self._timed("rollout_log"):
+                        self.recorder.on_batch(step, trajectories, batch, lambda b: self._no_grad_logprobs(self.model, b))
                 metrics |= self.update(batch, step) | self._token_counts(batch)  # 5: μ inner updates
         self.step = step
         return metrics | self._step_metrics(skipped=not trajectories)
@@ -326,6 +332,7 @@ class RLTrainer:
                "rollout/tool_calls": sum(t.num_tool_calls for t in seen) / n,
                "rollout/errors": sum(t.num_errors for t in seen) / n,
                "reward/errors_total": float(self.rewards.total_errors)}
+        out.update({f"reward/errors/{k}": float(v) for k, v in self.rewards.errors_by_name.items()})
         for name in seen[0].rewards:
             out[f"reward/{name}"] = sum(t.rewards[name] for t in seen) / n
         return out
@@ -424,6 +431,8 @@ class RLTrainer:
         self.engine.sync_weights(self.model)
         report = evaluate(self.rollout, self.heldout, self.eval_config, self.stop_ids)
         self.last_eval = report.metrics()
+        if self.recorder is not None:
+            self.recorder.on_eval(self.step, report.trajectories)
         return self.last_eval
 
     def _log(self, metrics: dict[str, float], step: int) -> None:

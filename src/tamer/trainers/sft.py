@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.config import FieldError
 from tamer.models import encode_chat
+from tamer.progress import report_progress
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.tasks.base import Task, TaskSource
 from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler, right_pad
@@ -130,6 +131,7 @@ class SFTTrainer:
             loss.backward()
             grad_norm = clip_and_step(self.model, self.optimizer, self.scheduler, self.config.optim.max_grad_norm)
             running, count = running + loss.item(), count + 1
+            report_progress(step, {"sft/loss": running / count})  # the console's bar, every step
             if step % self.config.log_every == 0 or step == self.config.steps:
                 loss_value = running / count
                 if tracker is not None:
