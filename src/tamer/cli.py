@@ -15,9 +15,12 @@ from typing import Any, Callable, Optional
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tamer.config import ConfigError, load_config, to_dict
+from tamer.errors import RunError
+from tamer.stopping import TrainingStopped
 from tamer.tasks.dataset import DatasetError
 
 app = typer.Typer(
@@ -30,6 +33,7 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="YAML file with RunConfig 
 SetOpt = typer.Option(None, "--set", "-s", help="Override one field, e.g. --set rl.steps=50 --set rl.optim.lr=1e-5 (repeatable).")
 SeedOpt = typer.Option(None, "--seed", help="Seed for model init, data order and sampling (sets model.tiny.seed, sft.seed, rl.seed).")
 OutOpt = typer.Option(None, "--output-dir", "-o", help="Where metrics, checkpoints, models and summary.json go.")
+ResumeIfExistsOpt = typer.Option(False, "--resume-if-exists", help="Resume when a checkpoint exists, else start fresh.")
 
 
 def _config(config: Optional[Path], overrides: Optional[list[str]], seed: Optional[int], output_dir: Optional[str],
@@ -44,12 +48,16 @@ def _config(config: Optional[Path], overrides: Optional[list[str]], seed: Option
 
 
 def _guard(job: Callable[[], Any]) -> Any:
-    """Run a job; turn config and data errors into one clear line and exit status 2."""
+    """Run a job; turn config, data, disk, lock and model-directory errors into one clear line
+    and exit status 2; a run stopped by SIGTERM/SIGINT prints one line and exits 128 + signal."""
     try:
         return job()
-    except (ConfigError, DatasetError, FileNotFoundError) as err:
-        console.print(f"[bold red]error:[/] {err}", soft_wrap=True)
+    except (ConfigError, DatasetError, FileNotFoundError, RunError) as err:
+        console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True, highlight=False)
         raise typer.Exit(2) from None
+    except TrainingStopped as stop:
+        console.print(stop.message(), soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(stop.exit_code) from None
 
 
 def _table(title: str, rows: list[tuple[str, str]]) -> None:
@@ -75,7 +83,8 @@ def _agent_table(summary: dict) -> None:
 @app.command()
 def demo(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
          env: str = typer.Option("arithmetic", "--env", "-e", help="Built-in task to demo: arithmetic, calculator, trip_planner."),
-         seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt) -> None:
+         seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt,
+         resume: bool = typer.Option(False, "--resume", help="Continue a stopped demo: finished phases are reused, a stopped one resumes from its checkpoint.")) -> None:
     """Build a tiny model, SFT it on the demonstrator, improve it with GRPO, compare on held-out tasks.
 
     Writes OUTPUT_DIR/summary.json (demonstrator, SFT and RL figures, rl_steps, seconds) and
@@ -87,7 +96,7 @@ def demo(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
         console.print(f"[bold red]error:[/] --env: unknown {env!r}; valid: {', '.join(DEMO_PRESETS)}", soft_wrap=True)
         raise typer.Exit(2)
     cfg = _guard(lambda: _config(config, set_, seed, output_dir, preset=DEMO_PRESETS[env]))
-    summary = _guard(lambda: run_demo(cfg))
+    summary = _guard(lambda: run_demo(cfg, resume=resume))
     if "demonstrator" in summary:
         _agent_table(summary)
         console.print(f"total {summary['seconds']:.0f} s; summary: {Path(cfg.output_dir) / 'summary.json'}")
@@ -102,12 +111,14 @@ def demo(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
 
 @app.command()
 def sft(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
-        seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt) -> None:
+        seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt,
+        resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in OUTPUT_DIR/sft/checkpoints."),
+        resume_if_exists: bool = ResumeIfExistsOpt) -> None:
     """Supervised fine-tuning on the task's demonstrations; saves OUTPUT_DIR/sft/model."""
     cfg = _guard(lambda: _config(config, set_, seed, output_dir))
     from tamer.pipeline import run_sft
 
-    result = _guard(lambda: run_sft(cfg))
+    result = _guard(lambda: run_sft(cfg, resume="if-exists" if resume_if_exists else resume))
     console.print(f"SFT held-out accuracy {result['sft_accuracy']:.3f}; model saved to {result['model_path']}")
 
 
@@ -115,12 +126,13 @@ def sft(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
 def train(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
           model: Optional[str] = typer.Option(None, "--model", "-m", help="Local Hugging Face model directory to start from (sets model.path)."),
           resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in OUTPUT_DIR/rl/checkpoints."),
+          resume_if_exists: bool = ResumeIfExistsOpt,
           seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt) -> None:
     """RL with GRPO or a variant (rl.algorithm.*) against the reward functions; saves OUTPUT_DIR/rl/model."""
     cfg = _guard(lambda: _config(config, set_, seed, output_dir, [f"model.path={model}"] if model else None))
     from tamer.pipeline import run_rl
 
-    result = _guard(lambda: run_rl(cfg, resume=resume))
+    result = _guard(lambda: run_rl(cfg, resume="if-exists" if resume_if_exists else resume))
     console.print(f"RL held-out accuracy {result['rl_accuracy']:.3f} after {result['rl_steps']} steps; "
                   f"model saved to {result['model_path']}")
 

@@ -275,7 +275,7 @@ def method_config(config, method: str, sft_model: str):
 def _curve(metrics_path: str, key: str) -> list[list[float]]:
     from tamer.tracking import read_metrics
 
-    return [[r["step"], r[key]] for r in read_metrics(metrics_path) if key in r and math.isfinite(r[key])]
+    return [[r["step"], r[key]] for r in read_metrics(metrics_path) if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
 
 
 def _row(method: str, result: dict[str, Any], accuracy: float | None) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Trainers, evaluators and the CLI report numbers here and nowhere else; algorithm code
 never logs. A run directory ends up holding:
 
-    run_dir/metrics.jsonl   one JSON object per `log` call: {"step", "time", **metrics}
+    run_dir/metrics.jsonl   one JSON object per `log` call: {"step", "time", **metrics};
+                            strict JSON: a NaN or infinite metric is written as null
     run_dir/tb/             TensorBoard event files (`tensorboard --logdir run_dir/tb`)
 
     with Tracker("runs/gsm8k", total_steps=200) as tracker:
@@ -37,6 +38,8 @@ from rich.progress import (
     BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
 )
 from rich.table import Table
+
+from tamer.storage import strict_dumps
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -189,7 +192,7 @@ class Tracker:
         values = {k: _to_number(k, v) for k, v in metrics.items()}
         record = {"step": int(step), "time": round(time.monotonic() - self._start, 3), **values}
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.write(strict_dumps(record) + "\n")  # NaN/inf -> null: strict JSON
             self._jsonl.flush()  # a crash must not lose the steps before it
         if self._tb is not None:
             for key, value in values.items():
@@ -230,7 +233,7 @@ class Tracker:
                 self._jsonl.close()
             tmp = self.metrics_path.with_suffix(".jsonl.tmp")
             with tmp.open("w", encoding="utf-8") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
+                f.writelines(strict_dumps(r) + "\n" for r in kept)
             os.replace(tmp, self.metrics_path)
             if self._jsonl is not None:
                 self._jsonl = self.metrics_path.open("a", encoding="utf-8")
@@ -337,5 +340,5 @@ def plot_metrics(
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of `key`, skipping records without it and non-finite values."""
-    pairs = [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
+    pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     return [s for s, _ in pairs], [v for _, v in pairs]

@@ -45,6 +45,7 @@ from tamer.rollout.agent import AgentConfig
 from tamer.rollout.engine import PRECISIONS, GenerationEngine, HFEngine, autocast
 from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams, Trajectory
+from tamer.stopping import TrainingStopped, stop_requested
 from tamer.tasks.base import Task, TaskPool
 from tamer.trainers.batch import Batch, collate, micro_batches
 from tamer.trainers.critic import Critic, CriticConfig
@@ -206,8 +207,11 @@ class RLTrainer:
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 metrics.update(self.evaluate())  # 6: held-out evaluation
             self._log(metrics, step)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                self.save_checkpoint()
+            stop = stop_requested() and step < cfg.steps  # SIGTERM/SIGINT: checkpoint, then stop
+            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop:
+                saved = self.save_checkpoint()
+            if stop:
+                raise TrainingStopped("rl", step, saved, total_steps=cfg.steps)
         return self.last_eval
 
     def train_step(self) -> dict[str, float]:
