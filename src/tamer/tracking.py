@@ -39,7 +39,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from tamer.storage import strict_dumps
+from tamer.storage import storage_errors, strict_dumps
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -192,8 +192,9 @@ class Tracker:
         values = {k: _to_number(k, v) for k, v in metrics.items()}
         record = {"step": int(step), "time": round(time.monotonic() - self._start, 3), **values}
         if self._jsonl is not None:
-            self._jsonl.write(strict_dumps(record) + "\n")  # NaN/inf -> null: strict JSON
-            self._jsonl.flush()  # a crash must not lose the steps before it
+            with storage_errors(self.metrics_path, "metrics"):  # a full disk: one line naming the file
+                self._jsonl.write(strict_dumps(record) + "\n")  # NaN/inf -> null: strict JSON
+                self._jsonl.flush()  # a crash must not lose the steps before it
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, global_step=int(step))
