@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from tamer.cli import app
 from tamer.config import load_config
-from tamer.models import build_char_tokenizer, build_tiny_model, load_model, save_model
+from tamer.models import build_tiny_model, save_model
 from tamer.pipeline import RunConfig, run_rl, run_sft
 from tamer.tracking import Tracker, plot_metrics, read_metrics
 from tests.conftest import TINY
@@ -337,3 +337,35 @@ class _RaiseAt:
     def log(self, metrics, step):
         if step == self.step:
             raise StopIteration
+
+
+def test_stopped_demo_resumes_reusing_finished_phases(tmp_path, monkeypatch):
+    from tamer import stopping
+    from tamer.pipeline import run_demo
+
+    full_dir, part = tmp_path / "full", tmp_path / "part"
+    full = run_demo(_config(full_dir))
+    with monkeypatch.context() as patch, stopping.graceful_stop():
+        patch.setattr(Tracker, "log", _stop_after_phase("rl", 2))
+        with pytest.raises(stopping.TrainingStopped) as info:
+            run_demo(_config(part))
+    assert info.value.phase == "rl" and info.value.step == 2
+    assert json.loads((part / "sft" / "summary.json").read_text())["sft_steps"] == 6  # SFT finished
+    stopping.reset()
+    resumed = run_demo(_config(part), resume=True)
+    for key in ("demonstrator_accuracy", "sft_accuracy", "rl_accuracy", "rl_steps"):
+        assert resumed[key] == full[key], key
+    assert _records(part / "rl") == _records(full_dir / "rl") and _records(part / "sft") == _records(full_dir / "sft")
+
+
+def _stop_after_phase(phase: str, step: int):
+    from tamer import stopping
+
+    original = Tracker.log
+
+    def log(self, metrics, at):
+        original(self, metrics, at)
+        if at == step and self.run_dir.name == phase:
+            stopping._state["signal"] = signal.SIGINT
+
+    return log

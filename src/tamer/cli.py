@@ -114,7 +114,10 @@ def sft(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
         seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt,
         resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in OUTPUT_DIR/sft/checkpoints."),
         resume_if_exists: bool = ResumeIfExistsOpt) -> None:
-    """Supervised fine-tuning on the task's demonstrations; saves OUTPUT_DIR/sft/model."""
+    """Supervised fine-tuning on the task's demonstrations; saves OUTPUT_DIR/sft/model.
+
+    SIGTERM or Ctrl-C: stops after the current step with a checkpoint, exit status 143 or 130;
+    run again with --resume to continue (docs/robustness.md)."""
     cfg = _guard(lambda: _config(config, set_, seed, output_dir))
     from tamer.pipeline import run_sft
 
@@ -128,7 +131,10 @@ def train(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt
           resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in OUTPUT_DIR/rl/checkpoints."),
           resume_if_exists: bool = ResumeIfExistsOpt,
           seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt) -> None:
-    """RL with GRPO or a variant (rl.algorithm.*) against the reward functions; saves OUTPUT_DIR/rl/model."""
+    """RL with GRPO or a variant (rl.algorithm.*) against the reward functions; saves OUTPUT_DIR/rl/model.
+
+    SIGTERM or Ctrl-C: stops after the current step with a checkpoint, exit status 143 or 130;
+    run again with --resume to continue (docs/robustness.md)."""
     cfg = _guard(lambda: _config(config, set_, seed, output_dir, [f"model.path={model}"] if model else None))
     from tamer.pipeline import run_rl
 

@@ -3,8 +3,7 @@
     with output_dir_lock("runs/pens"):          # LockError at once if another run holds it
         ...                                     # train, checkpoint, save
 
-    @exclusive_output_dir                       # the same for a job taking a RunConfig first
-    def run_rl(config, ...): ...
+(The training jobs take it through `tamer.jobguard.guarded_job`.)
 
 The lock is `OUTPUT_DIR/.tamer-lock`, locked with `flock`. The kernel drops an `flock` when
 its holder exits in any way (SIGKILL included), so a lock never outlives its process and
@@ -25,7 +24,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import functools
 import json
 import os
 import socket
@@ -34,7 +32,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator
 
 from tamer.errors import RunError
 
@@ -42,7 +40,6 @@ LOCK_NAME = ".tamer-lock"
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _HELD: dict[str, list[Any]] = {}  # real path -> [fd or None (fallback lock), depth]
 _GUARD = threading.Lock()
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class LockError(RunError):
@@ -168,13 +165,3 @@ def output_dir_lock(directory: str | os.PathLike) -> Iterator[Path]:
             if entry[1] == 0:
                 del _HELD[key]
                 _release(directory, entry[0])
-
-
-def exclusive_output_dir(job: F) -> F:
-    """Decorate a job whose first argument is a RunConfig: it runs holding `config.output_dir`."""
-    @functools.wraps(job)
-    def locked(config, *args, **kwargs):
-        with output_dir_lock(config.output_dir):
-            return job(config, *args, **kwargs)
-
-    return locked  # type: ignore[return-value]

@@ -8,8 +8,8 @@ the job writes the summary so far and the CLI prints one line and exits with
 process ended by that signal. `--resume` then continues exactly where the run stopped.
 A second signal ends the process at once, by the signal itself.
 
-    @stoppable                                  # a job function: handlers for its whole life
-    def run_rl(config, ...): ...
+    with graceful_stop():                       # a job (tamer.jobguard.guarded_job does this)
+        run_training()
 
     # in a training loop, after a step is complete:
     if stop_requested():
@@ -22,17 +22,15 @@ runs with the process's existing handlers.
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-F = TypeVar("F", bound=Callable[..., Any])
 
 _state: dict[str, Any] = {"signal": None, "depth": 0, "previous": {}}
 _lock = threading.Lock()
@@ -77,10 +75,6 @@ def stop_requested() -> bool:
     return _state["signal"] is not None
 
 
-def requested_signal() -> int | None:
-    return _state["signal"]
-
-
 def _handler(signum: int, frame: Any) -> None:
     if _state["signal"] is not None:
         # The second signal: end now, by the signal itself (its default action).
@@ -89,9 +83,12 @@ def _handler(signum: int, frame: Any) -> None:
         return
     _state["signal"] = signum
     name = signal.Signals(signum).name
-    sys.stderr.write(f"\n{name} received: stopping after the current step and saving a checkpoint "
-                     f"(send it again to exit at once)\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(f"\n{name} received: stopping after the current step and saving a checkpoint "
+                         f"(send it again to exit at once)\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed or a broken pipe: the stop goes on regardless
+        pass
 
 
 @contextmanager
@@ -113,16 +110,6 @@ def graceful_stop() -> Iterator[None]:
                     for signum, previous in _state["previous"].items():
                         signal.signal(signum, previous)
                     _state["previous"] = {}
-
-
-def stoppable(job: F) -> F:
-    """Decorate a job function: it runs inside `graceful_stop()`."""
-    @functools.wraps(job)
-    def wrapper(*args, **kwargs):
-        with graceful_stop():
-            return job(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
 
 
 def reset() -> None:

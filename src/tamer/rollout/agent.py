@@ -28,6 +28,7 @@ from tamer.rollout.engine import GenerationEngine
 from tamer.rollout.types import GenerationOutput, SamplingParams, Trajectory, Turn
 from tamer.tasks.base import Task
 from tamer.tasks.env import ENVIRONMENTS, Environment, StepResult
+from tamer.tools.isolation import IsolatedEnvironment
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,15 @@ class AgentConfig:
     max_turns: int = 8
     max_total_tokens: int = 1024  # generated + environment tokens after the prompt
     show_tools: bool = True  # render tool schemas into the prompt (chat template `tools=`)
+    tool_isolation: str = "thread"  # thread | process: each episode's environment in a killable worker (tamer.tools.isolation)
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
             raise ValueError(f"rollout.max_turns: expected >= 1, got {self.max_turns}")
         if self.max_total_tokens < 1:
             raise ValueError("rollout.max_total_tokens: expected >= 1")
+        if self.tool_isolation not in ("thread", "process"):
+            raise ValueError(f"agent.tool_isolation: expected 'thread' or 'process', got {self.tool_isolation!r}")
 
 
 def default_env_factory(task: Task) -> Environment:
@@ -123,6 +127,8 @@ class AgentRollout:
 
     def _start(self, task: Task, group_id: int) -> _Episode:
         env = self.env_factory(task)
+        if self.config.tool_isolation == "process":
+            env = IsolatedEnvironment(env)
         first = env.reset(task)
         messages = [dict(m) for m in task.messages]
         if first:

@@ -114,6 +114,28 @@ class ToolEnvironment(BaseEnvironment):
         self.on_reset(task)
         return ""
 
+    def step_deadline(self, action: str) -> float:
+        """Seconds `action`'s tool calls may take in all (process isolation kills a worker past it)."""
+        calls = min(len(self.parser.parse(action).items), self.config.max_tool_calls_per_turn)
+        return max(1, calls) * self.config.tool_timeout_s
+
+    def record_killed_turn(self, action: str, message: str, kind: str) -> StepResult:
+        """The turn whose worker had to be killed (tamer.tools.isolation): each of its calls
+        is answered and counted as a `kind` error."""
+        self.turns += 1
+        items = self.parser.parse(action).items[: self.config.max_tool_calls_per_turn] or [""]
+        results, records = [], []
+        for item in items:
+            name = item.name if isinstance(item, ToolCall) else ""
+            result = ToolResult(name, False, f"error: {message}", kind)
+            self.tool_calls += 1
+            self.tool_errors[kind] = self.tool_errors.get(kind, 0) + 1
+            self.history.append((item if isinstance(item, ToolCall) else None, result))
+            records.append({"name": name, "arguments": dict(item.arguments) if isinstance(item, ToolCall) else {},
+                            "ok": False, "error_kind": kind, "seconds": 0.0})
+            results.append(result)
+        return StepResult(render_responses(results), done=False, info=self._info(records))
+
     def step(self, action: str) -> StepResult:
         self.turns += 1
         parsed = self.parser.parse(action)
