@@ -162,19 +162,13 @@ LIBRARY_SUPERVISOR = ("import sys\nfrom tamer.tools.sandbox import SandboxConfig
                       "    pool.submit(open(sys.argv[1]).read(), config=SandboxConfig(timeout_s=60)).result()\n")
 
 
-def _run_processes(supervisor: int) -> dict[int, str]:
-    """Live processes of the sandbox run started by `supervisor` (cwd in its workdir) -> that cwd."""
-    prefix = f"/tmp/tamer-sbx-{supervisor}-"
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if cwd.startswith(prefix) and state != "Z":
-            found[int(pid)] = cwd
-    return found
+def _cwd(pid: int) -> str | None:
+    try:
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return None
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
 
 
 def _marked(pid: int) -> bool:
@@ -182,6 +176,27 @@ def _marked(pid: int) -> bool:
         return any(v.startswith(b"TAMER_SANDBOX=") for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
     except OSError:
         return False
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _program_workdir(supervisor: int) -> str | None:
+    """The workdir of the sandboxed program the supervisor started (its marked child's cwd)."""
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        if _ppid(pid) == supervisor and _marked(pid):
+            return _cwd(pid)
+    return None
+
+
+def _in(workdir: str) -> list[int]:
+    """Live processes working in `workdir`: the program, what it started, the reaper."""
+    return [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+            if (_cwd(pid) or "").startswith(workdir)]
 
 
 def _pid_namespaces_allowed() -> bool:
@@ -204,18 +219,24 @@ def test_killed_supervisor_leaves_no_process_and_no_workdir(tmp_path, how, signu
     cmd = ([sys.executable, "-m", "tamer.cli", "sandbox", "run", str(program), "--timeout", "60"] if how == "cli"
            else [sys.executable, "-c", LIBRARY_SUPERVISOR, str(program)])
     supervisor = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workdir = None
     try:
-        # the program and its double-forked daemon both running
-        _wait_for(lambda: sum(map(_marked, _run_processes(supervisor.pid))) >= 2, timeout=60)
-        workdir = Path(next(iter(_run_processes(supervisor.pid).values())))
-        assert workdir.is_dir()
+        _wait_for(lambda: _program_workdir(supervisor.pid) is not None, timeout=60)
+        workdir = _program_workdir(supervisor.pid)
+        _wait_for(lambda: sum(map(_marked, _in(workdir))) >= 2, timeout=30)  # the program and its daemon
+        assert Path(workdir).is_dir()
         os.kill(supervisor.pid, signum)
         killed = time.monotonic()
-        _wait_for(lambda: not _run_processes(supervisor.pid) and not workdir.exists(), timeout=2.0)
+        _wait_for(lambda: not _in(workdir) and not Path(workdir).exists(), timeout=2.0)
         assert time.monotonic() - killed <= 2.0
     finally:
         supervisor.kill()
         supervisor.wait()
+        for pid in _in(workdir) if workdir else ():  # if the test failed: leave nothing running
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 # ---------------------------------------------------------------------------- a really full disk
