@@ -20,8 +20,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.config import to_dict
-from tamer.jobguard import guarded_job, summary_on_stop
 from tamer.evaluate import EvalConfig, EvalReport, agent_metrics, demonstrator_accuracy, evaluate
+from tamer.jobguard import guarded_job, summary_on_stop
 from tamer.models import (
     TinyModelConfig, build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, count_parameters, load_model, save_model,
     stop_token_ids,
@@ -31,8 +31,8 @@ from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.rollout.engine import HFEngine
 from tamer.rollout.runner import Rollout
-from tamer.tasks import TaskConfig, get_task_source
 from tamer.storage import preflight, write_json
+from tamer.tasks import TaskConfig, get_task_source
 from tamer.tasks.base import Task, TaskSource
 from tamer.tracking import Tracker, plot_metrics
 from tamer.trainers.common import OptimConfig, seed_everything

@@ -129,7 +129,14 @@ def sweep_stale_workdirs() -> list[str]:
         if not name.startswith(_WORKDIR_PREFIX):
             continue
         pid = name[len(_WORKDIR_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        try:
+            info = os.lstat(os.path.join(root, name))
+        except OSError:
+            continue
+        # Only real directories made by a sandbox of ours: owned by us, or by a sandbox uid.
+        if stat.S_ISDIR(info.st_mode) and (info.st_uid == os.geteuid() or info.st_uid in _UID_RANGE):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
             removed.append(name)
     return removed
