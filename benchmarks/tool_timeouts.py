@@ -76,7 +76,7 @@ def _timed_out_calls(mode: str, calls: int) -> float:
     import tamer.tools.executor as executor
     from tamer.tasks.base import Task
     from tamer.tasks.tool_env import ToolEnvConfig, ToolEnvironment
-    from tamer.tools.isolation import IsolatedEnvironment
+    from tamer.rollout.isolation import IsolatedEnvironment
     from tamer.tools.schema import ToolSet
 
     class Spinning(ToolEnvironment):

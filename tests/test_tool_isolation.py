@@ -94,7 +94,7 @@ TASK = Task(id="c", messages=({"role": "user", "content": "count"},), answer="3"
 
 
 def test_process_isolation_kills_a_frozen_tool_and_replays_the_episode(monkeypatch):
-    from tamer.tools import isolation
+    from tamer.rollout import isolation
 
     monkeypatch.setattr(isolation, "REPLY_MARGIN_S", 0.5)
     env = isolation.IsolatedEnvironment(_Counter(ToolEnvConfig(tool_timeout_s=0.3)))
@@ -116,7 +116,7 @@ def test_process_isolation_kills_a_frozen_tool_and_replays_the_episode(monkeypat
 
 
 def test_process_isolation_replaces_a_worker_left_with_an_unstoppable_thread(monkeypatch):
-    from tamer.tools import isolation
+    from tamer.rollout import isolation
 
     env = isolation.IsolatedEnvironment(_Counter(ToolEnvConfig(tool_timeout_s=0.2)))
     env.reset(TASK)

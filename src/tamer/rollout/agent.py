@@ -28,7 +28,7 @@ from tamer.rollout.engine import GenerationEngine
 from tamer.rollout.types import GenerationOutput, SamplingParams, Trajectory, Turn
 from tamer.tasks.base import Task
 from tamer.tasks.env import ENVIRONMENTS, Environment, StepResult
-from tamer.tools.isolation import IsolatedEnvironment
+from tamer.rollout.isolation import IsolatedEnvironment
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class AgentConfig:
     max_turns: int = 8
     max_total_tokens: int = 1024  # generated + environment tokens after the prompt
     show_tools: bool = True  # render tool schemas into the prompt (chat template `tools=`)
-    tool_isolation: str = "thread"  # thread | process: each episode's environment in a killable worker (tamer.tools.isolation)
+    tool_isolation: str = "thread"  # thread | process: each episode's environment in a killable worker (tamer.rollout.isolation)
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:

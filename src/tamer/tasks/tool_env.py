@@ -120,7 +120,7 @@ class ToolEnvironment(BaseEnvironment):
         return max(1, calls) * self.config.tool_timeout_s
 
     def record_killed_turn(self, action: str, message: str, kind: str) -> StepResult:
-        """The turn whose worker had to be killed (tamer.tools.isolation): each of its calls
+        """The turn whose worker had to be killed (tamer.rollout.isolation): each of its calls
         is answered and counted as a `kind` error."""
         self.turns += 1
         items = self.parser.parse(action).items[: self.config.max_tool_calls_per_turn] or [""]

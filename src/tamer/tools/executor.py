@@ -20,7 +20,7 @@ Timeouts: the function runs in a daemon worker thread that we stop waiting for a
 stuck in a Python loop ends within milliseconds instead of spinning (and taking the GIL) for
 the rest of the run. A call blocked inside a single C function cannot be stopped that way
 until the function returns; for tools that may do that, run episodes with
-`agent.tool_isolation=process` (tamer.tools.isolation: a worker process that is killed and
+`agent.tool_isolation=process` (tamer.rollout.isolation: a worker process that is killed and
 replaced), and run untrusted code through `tamer.tools.sandbox`.
 """
 

@@ -12,7 +12,7 @@ with a bare `except`), for up to `GIVE_UP_S`; a thread still alive then is count
 unstoppable in `stats()`. What this cannot stop: code blocked inside one C call (a long
 `time.sleep`, a socket read, a huge regex or big-integer operation) until that call returns,
 and a loop that catches BaseException around all of its work. For such tools run episodes
-with `agent.tool_isolation=process` (tamer.tools.isolation): a worker process that is
+with `agent.tool_isolation=process` (tamer.rollout.isolation): a worker process that is
 killed and replaced.
 """
 
