@@ -6,13 +6,15 @@ Measures, for the trivial program `print(1)`:
   * sandbox runs per second with 1 and with 2 concurrent workers (SandboxPool),
   * mean and median latency of one sandboxed run,
   * mean latency of the same interpreter started plainly (`python -E -s -u -c "print(1)"`),
-  * the sandbox's overhead over that plain start, in milliseconds and as a ratio.
+  * the sandbox's overhead over that plain start, in milliseconds and as a ratio,
+  * the median latency with and without the run's PID namespace and reaper (interleaved).
 Each measurement is preceded by warm-up runs (the first run of a uid creates its network namespace).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -44,6 +46,17 @@ def sandbox_latencies(runs: int, config: SandboxConfig) -> list[float]:
         out.append(time.perf_counter() - start)
         assert result.ok and result.stdout == "1\n", result
     return out
+
+
+def pidns_cost(runs: int, config: SandboxConfig) -> dict[str, float]:
+    """Median latency with and without the PID namespace + reaper, runs interleaved."""
+    without = dataclasses.replace(config, pid_namespace=False)
+    on, off = [], []
+    for _ in range(runs):
+        on += sandbox_latencies(1, config)
+        off += sandbox_latencies(1, without)
+    return {"with_pidns_median_ms": round(1000 * statistics.median(on), 2),
+            "without_pidns_median_ms": round(1000 * statistics.median(off), 2)}
 
 
 def pool_throughput(runs: int, workers: int, config: SandboxConfig) -> float:
@@ -79,6 +92,7 @@ def main() -> None:
         "plain_python_latency_mean_ms": round(1000 * mean_plain, 2),
         "overhead_ms": round(1000 * (mean_sandboxed - mean_plain), 2),
         "overhead_ratio": round(mean_sandboxed / mean_plain, 2),
+        "pidns": pidns_cost(args.runs, config),
         "protections": list(probe.protections),
         "warnings": list(probe.warnings),
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],

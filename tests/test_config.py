@@ -224,4 +224,4 @@ def test_cli_warnings_for_untrained_start_and_default_task(tmp_path):
     assert result.exit_code == 2 and "rl.steps: expected an integer" in result.output
     result = runner.invoke(app, ["eval", "--model", str(tmp_path / "none")])
     assert "warning: no --config: evaluating on the default task 'arithmetic'" in result.output
-    assert result.exit_code == 2 and "no config.json" in result.output
+    assert result.exit_code == 2 and "no such model directory" in result.output

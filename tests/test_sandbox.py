@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -204,6 +205,7 @@ def test_user_files_and_environment_secrets_do_not_leak(tmp_path, monkeypatch):
     secret.chmod(0o600)
     code = f"""
 import os
+import shutil
 print(dict(os.environ))
 for path in [{str(secret)!r}, '/proc/{os.getpid()}/environ', '/proc/{os.getppid()}/environ',
              os.path.expanduser('~root/.bash_history'), '/etc/shadow']:
@@ -373,3 +375,45 @@ def test_cli_missing_file_and_bad_network_exit_2(tmp_path):
     (tmp_path / "a.py").write_text("pass")
     bad = runner.invoke(sandbox_app, ["run", str(tmp_path / "a.py"), "--network", "open"])
     assert bad.exit_code == 2 and "--network" in bad.output
+
+
+# ------------------------------------------------------------------ cleanup without the supervisor
+
+
+def test_run_lives_in_its_own_pid_namespace():
+    code = "import os\nif os.fork() == 0:\n    print(os.getpid(), os.getppid())\n    os._exit(0)\nos.wait()"
+    result = run_python(code, FAST)
+    if "pidns" not in result.protections:
+        pytest.skip(f"no PID namespace here: {result.warnings}")
+    pid, ppid = map(int, result.stdout.split())
+    assert pid == 2 and ppid == 0  # the reaper is PID 1; the program's own pid is in the host's namespace
+
+
+def test_no_pid_namespace_is_reported_and_require_enforces_it(monkeypatch):
+    real = sandbox.linux.unshare  # the forked child sees the patch: refuse it a PID namespace
+    monkeypatch.setattr(sandbox.linux, "unshare", lambda flags: not flags & sandbox.linux.CLONE_NEWPID and real(flags))
+    result = run_python("print('still runs')", FAST)
+    assert result.ok and "pidns" not in result.protections
+    assert any("no PID namespace" in w for w in result.warnings)
+    with pytest.raises(SandboxError, match="pidns"):
+        run_python("print('never')", SandboxConfig(timeout_s=3, require=("pidns",)))
+
+
+def test_stale_workdirs_of_dead_supervisors_are_swept(tmp_path):
+    from tamer.tools.sandbox import run as run_module
+
+    probe = subprocess.Popen(["true"])  # a pid that has surely exited
+    probe.wait()
+    stale = Path(tempfile.gettempdir(), f"tamer-sbx-{probe.pid}-test{os.urandom(3).hex()}")
+    live = Path(tempfile.gettempdir(), f"tamer-sbx-{os.getppid()}-test{os.urandom(3).hex()}")
+    for d in (stale, live):
+        d.mkdir()
+        (d / "main.py").write_text("print(1)")
+    try:
+        run_module.sweep_stale_workdirs.cache_clear()
+        removed = run_module.sweep_stale_workdirs()
+        assert stale.name in removed and not stale.exists()
+        assert live.exists()  # its supervisor (our parent) is alive
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tamer.tasks.base import Task
-from tamer.tasks.tool_env import ToolEnvConfig, ToolEnvironment, render_responses
+from tamer.tasks.tool_env import ToolEnvConfig, ToolEnvironment
 from tamer.tools.executor import ERROR_KINDS, execute, malformed, to_text, truncate
 from tamer.tools.parsing import PARSERS, HermesToolParser, ToolCall
 from tamer.tools.schema import Tool, ToolSchemaError, ToolSet, tool
@@ -268,7 +268,6 @@ def test_environment_limits_calls_per_turn_and_never_raises():
     for junk in ["", "<tool_call>", "</tool_call>", "<tool_call></tool_call>", "\x00" * 10, "<tool_call>{}"]:
         env.step(junk)
     assert env.step("<answer>9</answer>").info["success"] is False
-    assert render_responses([]) == ""
 
 
 def test_config_validation_names_the_field():

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from tamer.models import quiet_progress
+from tamer.storage import as_storage_error
 
 TRAINER_STATE = "trainer_state.pt"
 LATEST = "latest"
@@ -55,6 +56,10 @@ FORMAT_VERSION = 1
 
 class CheckpointError(Exception):
     """A checkpoint directory is missing, incomplete or does not match the model."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files exist but cannot be read (truncated, garbled)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -98,9 +103,12 @@ def save_checkpoint(
         torch.save(trainer_state, tmp / TRAINER_STATE)
         _fsync_tree(tmp)
         _publish(tmp, final)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        translated = as_storage_error(err, final, "a checkpoint")  # disk full -> one line
+        if translated is err:
+            raise
+        raise translated from err
     _write_latest(ckpt_dir, final.name)
     if keep_last is not None:
         _prune(ckpt_dir, keep_last, keep=final)
@@ -258,13 +266,18 @@ def load_checkpoint(
         # weights_only=False: the file holds numpy RNG state and arbitrary user state.
         saved = torch.load(state_file, map_location="cpu", weights_only=False)
     except Exception as err:
-        raise CheckpointError(f"{state_file}: cannot be read ({err})") from err
+        raise CorruptCheckpointError(f"{state_file}: cannot be read ({err})") from err
     _load_model(path, _unwrap(model))
     _restore_component(path, "optimizer", optimizer, saved)
     _restore_component(path, "scheduler", scheduler, saved)
     if restore_rng:
         _restore_rng(saved["rng"])
     return {**saved["state"], "step": saved["step"]}
+
+
+def load_weights(path: str | Path, model: Any) -> None:
+    """Load the weights of a saved model or checkpoint directory into `model`, in place."""
+    _load_model(Path(path), _unwrap(model))
 
 
 def _restore_component(path: Path, name: str, obj: Any, saved: dict) -> None:
@@ -291,7 +304,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         if (path / TORCH_WEIGHTS).is_file():
             return torch.load(path / TORCH_WEIGHTS, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise CheckpointError(f"{path}: model weights cannot be read ({err})") from err
+        raise CorruptCheckpointError(f"{path}: model weights cannot be read ({err})") from err
     raise CheckpointError(f"{path}: no model weights ({SAFETENSORS}, {SAFETENSORS_INDEX} or {TORCH_WEIGHTS})")
 
 

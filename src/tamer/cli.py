@@ -29,10 +29,12 @@ from rich.table import Table
 from tamer.advise import AdviseConfig, run_advise
 from tamer.compare import run_compare
 from tamer.config import ConfigError, describe, from_dict, load_config
+from tamer.errors import RunError
 from tamer.phases import PhaseError
 from tamer.pipeline import RunConfig, run_demo, run_eval, run_rl, run_sft, seed_overrides, write_json
 from tamer.presets import config_file, describe_preset, preset_names, preset_path
 from tamer.progress import ProgressView
+from tamer.stopping import TrainingStopped
 from tamer.tasks.dataset import DatasetError
 from tamer.tools.sandbox import NETWORK_MODES, SandboxConfig, SandboxError, run_file, run_python
 from tamer.transcripts import print_episodes
@@ -56,6 +58,7 @@ SeedOpt = typer.Option(None, "--seed", help="Seed for model init, data order and
 OutOpt = typer.Option(None, "--output-dir", "-o", help="Where metrics, checkpoints, models and summary.json go.")
 ModelOpt = typer.Option(None, "--model", "-m", help="Local Hugging Face model directory (sets model.path).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of a table.")
+ResumeIfExistsOpt = typer.Option(False, "--resume-if-exists", help="Resume when a checkpoint exists, else start fresh.")
 
 
 # ---------------------------------------------------------------------------- shared plumbing
@@ -73,13 +76,17 @@ def load_run_config(files: Optional[list[str]] = None, overrides: Optional[list[
 
 
 def _guard(job: Callable[[], Any]) -> Any:
-    """Run a job; config and data errors become one red line and exit 2, a failed phase exit 1."""
+    """Run a job; config, data, disk, lock and model-directory errors become one red line and exit 2,
+    a failed phase exit 1; a run stopped by SIGTERM/SIGINT prints one line and exits 128 + signal."""
     try:
         return job()
-    except (ConfigError, DatasetError, FileNotFoundError) as err:
+    except (ConfigError, DatasetError, FileNotFoundError, RunError) as err:
         _fail(str(err), 2)
     except PhaseError as err:
         _fail(str(err), 1)
+    except TrainingStopped as stop:
+        console.print(stop.message(), soft_wrap=True, markup=False, highlight=False)
+        raise typer.Exit(stop.exit_code) from None
 
 
 def _fail(message: str, code: int) -> NoReturn:
@@ -111,7 +118,9 @@ def demo(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = Se
          env: str = typer.Option("arithmetic", "--env", "-e", help="Built-in task to demo (preset demo-ENV): "
                                  "arithmetic, calculator, trip_planner."),
          imports: Optional[list[str]] = ImportOpt, seed: Optional[int] = SeedOpt,
-         output_dir: Optional[str] = OutOpt) -> None:
+         output_dir: Optional[str] = OutOpt,
+         resume: bool = typer.Option(False, "--resume", help="Continue a stopped demo: finished phases are reused, "
+                                     "a stopped one resumes from its checkpoint.")) -> None:
     """Build a tiny model, SFT it on the demonstrator, improve it with GRPO, compare on held-out tasks.
 
     Writes OUTPUT_DIR/summary.json (demonstrator, SFT and RL figures, rl_steps, seconds) and
@@ -121,7 +130,7 @@ def demo(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = Se
         demos = [n.removeprefix("demo-") for n in preset_names() if n.startswith("demo-")]
         _fail(f"--env: unknown {env!r}; valid: {', '.join(demos)}", 2)
     cfg = _guard(lambda: load_run_config(config, set_, imports, seed=seed, output_dir=output_dir, preset=f"demo-{env}"))
-    summary = _guard(lambda: run_demo(cfg))
+    summary = _guard(lambda: run_demo(cfg, resume=resume))
     if "demonstrator" in summary:
         keys = ("success_rate", "mean_tool_calls", "mean_cost_ratio", "error_rate")
         rows = [[name, *(_fmt(summary[key][k]) for k in keys)] for name, key in
@@ -139,10 +148,16 @@ def demo(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = Se
 @app.command()
 def sft(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
         imports: Optional[list[str]] = ImportOpt, seed: Optional[int] = SeedOpt,
-        output_dir: Optional[str] = OutOpt) -> None:
-    """Supervised fine-tuning on the task's demonstrations; saves OUTPUT_DIR/sft/model."""
+        output_dir: Optional[str] = OutOpt,
+        resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in "
+                                    "OUTPUT_DIR/sft/checkpoints."),
+        resume_if_exists: bool = ResumeIfExistsOpt) -> None:
+    """Supervised fine-tuning on the task's demonstrations; saves OUTPUT_DIR/sft/model.
+
+    SIGTERM or Ctrl-C: stops after the current step with a checkpoint, exit status 143 or 130;
+    run again with --resume to continue (docs/robustness.md)."""
     cfg = _guard(lambda: load_run_config(config, set_, imports, seed=seed, output_dir=output_dir))
-    result = _guard(lambda: run_sft(cfg))
+    result = _guard(lambda: run_sft(cfg, resume="if-exists" if resume_if_exists else resume))
     console.print(f"SFT held-out accuracy {result['sft_accuracy']:.3f}; model saved to {result['model_path']}")
 
 
@@ -151,13 +166,17 @@ def train(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = S
           model: Optional[str] = ModelOpt, imports: Optional[list[str]] = ImportOpt,
           resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in "
                                       "OUTPUT_DIR/rl/checkpoints."),
+          resume_if_exists: bool = ResumeIfExistsOpt,
           seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt) -> None:
-    """RL with GRPO, a variant or PPO (rl.algorithm.*) against the reward functions; saves OUTPUT_DIR/rl/model."""
+    """RL with GRPO, a variant or PPO (rl.algorithm.*) against the reward functions; saves OUTPUT_DIR/rl/model.
+
+    SIGTERM or Ctrl-C: stops after the current step with a checkpoint, exit status 143 or 130;
+    run again with --resume to continue (docs/robustness.md)."""
     cfg = _guard(lambda: load_run_config(config, set_, imports, seed=seed, output_dir=output_dir, model=model))
     if not cfg.model.path:
         _warn("RL starts from an untrained model (no --model or model.path: a randomly initialised model.tiny); "
               "start from an SFT model, e.g. --model OUTPUT_DIR/sft/model")
-    result = _guard(lambda: run_rl(cfg, resume=resume))
+    result = _guard(lambda: run_rl(cfg, resume="if-exists" if resume_if_exists else resume))
     console.print(f"RL held-out accuracy {result['rl_accuracy']:.3f} after {result['rl_steps']} steps; "
                   f"model saved to {result['model_path']}")
 

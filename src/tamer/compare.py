@@ -46,7 +46,8 @@ def method_config(config: RunConfig, method: str, sft_model: str) -> RunConfig:
 
 
 def _curve(metrics_path: str, key: str) -> list[list[float]]:
-    return [[r["step"], r[key]] for r in read_metrics(metrics_path) if key in r and math.isfinite(r[key])]
+    return [[r["step"], r[key]] for r in read_metrics(metrics_path)
+            if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]  # null: a NaN that was logged
 
 
 def _row(method: str, result: dict[str, Any], accuracy: float | None) -> dict[str, Any]:

@@ -11,7 +11,6 @@ share (`build_policy`, `evaluate_model`, `make_trainer`) are what `tamer compare
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -21,18 +20,20 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tamer.checkpoint import latest_checkpoint
 from tamer.config import to_dict
 from tamer.evaluate import EvalConfig, EvalReport, agent_metrics, demonstrator_accuracy, evaluate
+from tamer.jobguard import guarded_job, summary_on_stop
 from tamer.models import (
     DTYPES, ModelConfig, build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, count_parameters, load_model,
     save_model, stop_token_ids,
 )
+from tamer.resume import finished_phase, resume_trainer, wants_resume
 from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.rollout.engine import GenerationEngine, HFEngine
 from tamer.rollout.runner import Rollout
 from tamer.rollout_log import RolloutRecorder
+from tamer.storage import preflight, write_json
 from tamer.tasks import TaskConfig, get_task_source
 from tamer.tasks.base import Task, TaskSource
 from tamer.tracking import Tracker, TrackingConfig, plot_metrics, read_baselines, summary_baselines
@@ -117,56 +118,68 @@ def make_trainer(config: RunConfig, model, tokenizer, *, tracker: Tracker | None
                      rollout_log=config.tracking.rollouts)
 
 
-def write_json(path: Path, data: dict[str, Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    tmp.replace(path)
-    return path
-
-
 # ---------------------------------------------------------------------------- jobs
-def run_sft(config: RunConfig, model=None, tokenizer=None, source: TaskSource | None = None) -> dict[str, Any]:
-    """SFT on the task's demonstrations; saves `output_dir/sft/model`."""
+@guarded_job
+def run_sft(config: RunConfig, model=None, tokenizer=None, source: TaskSource | None = None, *,
+            resume: bool | str = False) -> dict[str, Any]:
+    """SFT on the task's demonstrations; saves `output_dir/sft/model`.
+
+    `resume`: True continues from the newest checkpoint in `output_dir/sft/checkpoints` (error
+    if none), "if-exists" only when there is one; a finished SFT of the same length is reused."""
     if model is None:
         model, tokenizer = build_policy(config.model, config.task)
+    out = Path(config.output_dir) / "sft"
+    if resume and (done := finished_phase(out, "sft_steps", config.sft.steps, model)) is not None:
+        return done
+    preflight(out, model)
+    resuming = wants_resume(out / "checkpoints", resume)
     source = source or get_task_source(config.task)
     train, heldout = source.split()
     seed_everything(config.sft.seed)
     start = time.perf_counter()
-    with tracker_for(config, "sft", config.sft.steps, "sft") as tracker:
+    with tracker_for(config, "sft", config.sft.steps, "sft", append=resuming) as tracker:
         data = demonstrations(source, train, tokenizer, seed=config.sft.seed, agent=config.agent)
-        loss = SFTTrainer(model, tokenizer, data, config.sft).train(tracker)
+        trainer = SFTTrainer(model, tokenizer, data, config.sft, run_dir=out)
+        if resuming:
+            resume_trainer(trainer, out / "checkpoints", tracker)
+        with summary_on_stop(out / "summary.json", lambda: {"sft_loss": trainer.last_loss}):
+            loss = trainer.train(tracker)
         report = evaluate_model(model, tokenizer, heldout, config)
         tracker.log(report.metrics(), config.sft.steps)
         RolloutRecorder(config.tracking.rollouts, tokenizer, RewardComposer(config.reward), tracker, "sft").on_eval(
             config.sft.steps, report.trajectories)  # the SFT model's held-out episodes, for `tamer view`
         tracker.log_summary({"sft_loss": loss, "sft_seconds": time.perf_counter() - start, **report.metrics("sft_eval")})
-    out = Path(config.output_dir) / "sft"
     save_model(model, tokenizer, out / "model")
     result = {"sft_loss": loss, "sft_accuracy": report.accuracy, "sft_seconds": time.perf_counter() - start,
-              "model_path": str(out / "model"), **report.metrics("sft_eval")}
+              "sft_steps": trainer.step, "model_path": str(out / "model"), **report.metrics("sft_eval")}
     if heldout[0].env is None:  # what the demonstrations score on the same held-out tasks (plots' baseline)
         result["demonstrator_accuracy"] = demonstrator_accuracy(source, heldout[: config.eval.size or None], config.sft.seed)
     write_json(out / "summary.json", result)
     return result
 
 
-def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = False,
+@guarded_job
+def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool | str = False,
            initial_eval: dict[str, float] | None = None) -> dict[str, Any]:
-    """RL (GRPO family or PPO) from `model` or `config.model`; saves `output_dir/rl/model`."""
+    """RL (GRPO family or PPO) from `model` or `config.model`; saves `output_dir/rl/model`.
+
+    `resume`: True continues from the newest checkpoint in `output_dir/rl/checkpoints` (error
+    if none), "if-exists" only when there is one and then also reuses a finished RL phase."""
     if model is None:
         model, tokenizer = build_policy(config.model, config.task)
-    seed_everything(config.rl.seed)
     run_dir = Path(config.output_dir) / "rl"
-    checkpoint = latest_checkpoint(run_dir / "checkpoints") if resume else None
+    if resume == "if-exists" and (done := finished_phase(run_dir, "rl_steps", config.rl.steps, model)) is not None:
+        return done
+    preflight(run_dir, model)
+    resuming = wants_resume(run_dir / "checkpoints", resume)
+    seed_everything(config.rl.seed)
     start = time.perf_counter()
-    with tracker_for(config, "rl", config.rl.steps, "rl", append=checkpoint is not None) as tracker:
+    with tracker_for(config, "rl", config.rl.steps, "rl", append=resuming) as tracker:
         trainer = make_trainer(config, model, tokenizer, tracker=tracker)
-        if checkpoint is not None:
-            tracker.truncate_after(trainer.resume(checkpoint))
-            tracker.print(f"resumed from {checkpoint} at step {trainer.step}")
-        final = trainer.train(initial_eval)
+        if resuming:
+            resume_trainer(trainer, run_dir / "checkpoints", tracker)
+        with summary_on_stop(run_dir / "summary.json", lambda: {"rl_steps": trainer.step, **trainer.last_eval}):
+            final = trainer.train(initial_eval)
         tracker.log_summary({"rl_steps": trainer.step, "rl_seconds": time.perf_counter() - start,
                              "reward_errors": trainer.rewards.total_errors, **final})
     plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png",
@@ -206,8 +219,11 @@ def demonstrator_agent_metrics(source: TaskSource, tasks: list[Task], tokenizer,
     return agent_metrics([replayer.replay(t, source.demonstrate_turns(t, rng)) for t in tasks])
 
 
-def run_demo(config: RunConfig) -> dict[str, Any]:
-    """Tiny model -> SFT on the demonstrator -> GRPO; held-out table and summary.json."""
+@guarded_job
+def run_demo(config: RunConfig, resume: bool = False) -> dict[str, Any]:
+    """Tiny model -> SFT on the demonstrator -> GRPO; held-out table and summary.json.
+
+    `resume`: continue a stopped demo (a finished phase is reused, a stopped one resumed)."""
     start = time.perf_counter()
     out = Path(config.output_dir)
     model, tokenizer = build_policy(config.model, config.task)
@@ -215,10 +231,10 @@ def run_demo(config: RunConfig) -> dict[str, Any]:
     _, heldout = source.split()
     eval_tasks = heldout[: config.eval.size] if config.eval.size else heldout
     if eval_tasks[0].env is not None:
-        return _agent_demo(config, model, tokenizer, source, eval_tasks, start)
+        return _agent_demo(config, model, tokenizer, source, eval_tasks, start, resume)
     demo_acc = demonstrator_accuracy(source, eval_tasks, seed=config.sft.seed)
-    sft = run_sft(config, model, tokenizer, source)
-    rl = run_rl(config, model, tokenizer, initial_eval=_as_eval(sft))
+    sft = run_sft(config, model, tokenizer, source, resume="if-exists" if resume else False)
+    rl = run_rl(config, model, tokenizer, initial_eval=_as_eval(sft), resume="if-exists" if resume else False)
     summary = {
         "task": config.task.name, "heldout_size": len(eval_tasks),
         "demonstrator_accuracy": demo_acc, "sft_accuracy": sft["sft_accuracy"], "rl_accuracy": rl["rl_accuracy"],
@@ -234,12 +250,14 @@ def run_demo(config: RunConfig) -> dict[str, Any]:
     return summary
 
 
-def _agent_demo(config: RunConfig, model, tokenizer, source: TaskSource, eval_tasks: list[Task], start: float) -> dict:
+def _agent_demo(config: RunConfig, model, tokenizer, source: TaskSource, eval_tasks: list[Task], start: float,
+                resume: bool = False) -> dict:
     """The demo for tool-using tasks: success, tool calls, cost over the optimum, errors."""
     out = Path(config.output_dir)
     demo = demonstrator_agent_metrics(source, eval_tasks, tokenizer, config.agent, config.sft.seed)
-    sft = run_sft(config, model, tokenizer, source)
-    rl = run_rl(config, model, tokenizer, initial_eval=_as_eval(sft))
+    sft = run_sft(config, model, tokenizer, source, resume="if-exists" if resume else False)
+    rl = run_rl(config, model, tokenizer, initial_eval=_as_eval(sft), resume="if-exists" if resume else False)
+
     def pick(metrics: dict, prefix: str) -> dict:
         return {k: metrics.get(f"{prefix}/{k}") for k in AGENT_KEYS}
 

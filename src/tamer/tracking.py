@@ -3,7 +3,8 @@
 Trainers, evaluators and the CLI report numbers here and nowhere else; algorithm code
 never logs. A run directory ends up holding:
 
-    run_dir/metrics.jsonl   one JSON object per `log` call: {"step", "time", **metrics}
+    run_dir/metrics.jsonl   one JSON object per `log` call: {"step", "time", **metrics};
+                            strict JSON: a NaN or infinite metric is written as null
     run_dir/rollouts.jsonl  saved rollouts (`log_rollouts`; see tamer.rollout_log)
     run_dir/tb/             TensorBoard event files (`tensorboard --logdir run_dir/tb`)
 
@@ -44,6 +45,7 @@ from tamer.config import FieldError
 from tamer.health import HealthConfig, HealthMonitor
 from tamer.progress import ProgressView
 from tamer.rollout_log import RolloutFile, RolloutLogConfig, rollouts_markdown
+from tamer.storage import storage_errors, strict_dumps
 from tamer.tracking_backends import MlflowConfig, WandbConfig, check_backends
 
 
@@ -175,8 +177,9 @@ class Tracker:
                     self.console.print(f"[bold yellow]warning:[/] {message}", soft_wrap=True, highlight=False)
         record = {"step": int(step), "time": round(time.monotonic() - self._start, 3), **values}
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()  # a crash must not lose the steps before it
+            with storage_errors(self.metrics_path, "metrics"):  # a full disk: one line naming the file
+                self._jsonl.write(strict_dumps(record) + "\n")  # NaN/inf -> null: strict JSON
+                self._jsonl.flush()  # a crash must not lose the steps before it
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, global_step=int(step))
@@ -233,10 +236,13 @@ class Tracker:
                 self._jsonl.close()
             tmp = self.metrics_path.with_suffix(".jsonl.tmp")
             with tmp.open("w", encoding="utf-8") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
+                f.writelines(strict_dumps(r) + "\n" for r in kept)
             os.replace(tmp, self.metrics_path)
             if self._jsonl is not None:
                 self._jsonl = self.metrics_path.open("a", encoding="utf-8")
+            if self.health is not None:  # the checks' history as the interrupted run had it at `step`
+                for record in kept:
+                    self.health.update({k: v for k, v in record.items() if not k.startswith("health/")}, record["step"])
         self._rollouts.truncate_after(step)
         if self._tb is not None:
             # purge_step makes TensorBoard discard events at or after it on reload.
@@ -400,5 +406,5 @@ def metrics_figure(metrics_path: str | Path, keys: Sequence[str], title: str | N
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of `key`, skipping records without it and non-finite values."""
-    pairs = [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
+    pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     return [s for s, _ in pairs], [v for _, v in pairs]

@@ -32,6 +32,8 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from tamer.config import FieldError, check_name
+from tamer.modeldir import check_model_dir, model_dir_errors
+from tamer.storage import atomic_directory
 
 # Special tokens of the built-in tokenizer; the chat markers follow the ChatML convention
 # that Qwen models use, so prompts look the same on a tiny model and on a real one.
@@ -220,11 +222,9 @@ def load_model(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a local Hugging Face model directory."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    with quiet_progress():
+    path = check_model_dir(path)  # ModelDirError naming what is missing, before transformers tries
+    with model_dir_errors(path), quiet_progress():
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     if tokenizer.pad_token_id is None:  # many base models ship without one
         tokenizer.pad_token = tokenizer.eos_token
@@ -233,12 +233,14 @@ def load_model(
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path) -> Path:
-    """Save model and tokenizer so that plain `transformers` can load them back."""
+    """Save model and tokenizer so that plain `transformers` can load them back.
+
+    Atomic: written into a hidden sibling and renamed into place, so `path` is never a half
+    model (a full disk raises StorageError and leaves any earlier save untouched)."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    with quiet_progress():
-        model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    with atomic_directory(path, "the model") as tmp, quiet_progress():
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     return path
 
 

@@ -35,6 +35,7 @@ from tamer.rollout.types import GenerationOutput, SamplingParams, Trajectory, Tu
 from tamer.tasks.base import Task
 from tamer.tasks.env import ENVIRONMENTS, Environment, StepResult
 from tamer.tools.formats import TOOL_FORMATS, Observation, resolve_format, turn_decoder
+from tamer.rollout.isolation import IsolatedEnvironment
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class AgentConfig:
     max_total_tokens: int = 1024  # generated + environment tokens after the prompt
     show_tools: bool = True  # render tool schemas into the prompt (chat template `tools=`)
     tool_format: str = ""  # a name in tamer.tools.formats.TOOL_FORMATS; "" detects it from the chat template
+    tool_isolation: str = "thread"  # thread | process: each episode's environment in a killable worker
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_total_tokens"):
@@ -52,6 +54,7 @@ class AgentConfig:
                 raise FieldError(name, f"expected >= 1, got {getattr(self, name)}")
         if self.tool_format:
             check_name("tool_format", self.tool_format, TOOL_FORMATS.names(), "tool-call format")
+        check_name("tool_isolation", self.tool_isolation, ("thread", "process"), "tool isolation")
 
 
 def default_env_factory(task: Task) -> Environment:
@@ -171,6 +174,8 @@ class AgentRollout:
         env = self.env_factory(task)
         if hasattr(env, "use_tool_format"):  # tool environments parse and answer in the model's format
             env.use_tool_format(self.tool_format)
+        if self.config.tool_isolation == "process":
+            env = IsolatedEnvironment(env)
         first = env.reset(task)
         messages = [dict(m) for m in task.messages]
         if first:

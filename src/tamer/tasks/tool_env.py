@@ -75,11 +75,6 @@ class ToolEnvConfig:
         check_name("parser", self.parser, TOOL_FORMATS.names(), "tool-call format")
 
 
-def render_responses(results: list[ToolResult]) -> str:
-    """The observation text: one <tool_response> block per call, newline-separated."""
-    return "\n".join(f"<tool_response>{r.content}</tool_response>" for r in results)
-
-
 class ToolEnvironment(BaseEnvironment):
     """Runs the agent's tool calls until it answers without one. See the module docstring."""
 
@@ -120,6 +115,29 @@ class ToolEnvironment(BaseEnvironment):
         self._reset_counters()
         self.on_reset(task)
         return ""
+
+    def step_deadline(self, action: str) -> float:
+        """Seconds `action`'s tool calls may take in all (process isolation kills a worker past it)."""
+        calls = min(len(self.format.parse(action).items), self.config.max_tool_calls_per_turn)
+        return max(1, calls) * self.config.tool_timeout_s
+
+    def record_killed_turn(self, action: str, message: str, kind: str) -> StepResult:
+        """The turn whose worker had to be killed (tamer.rollout.isolation): each of its calls
+        is answered and counted as a `kind` error."""
+        self.turns += 1
+        items = self.format.parse(action).items[: self.config.max_tool_calls_per_turn] or [""]
+        results, records = [], []
+        for item in items:
+            name = item.name if isinstance(item, ToolCall) else ""
+            result = ToolResult(name, False, f"error: {message}", kind)
+            self.tool_calls += 1
+            self.tool_errors[kind] = self.tool_errors.get(kind, 0) + 1
+            self.history.append((item if isinstance(item, ToolCall) else None, result))
+            records.append({"name": name, "arguments": dict(item.arguments) if isinstance(item, ToolCall) else {},
+                            "ok": False, "error_kind": kind, "seconds": 0.0})
+            results.append((item if isinstance(item, ToolCall) else None, result.content))
+        observation = self.format.observation(results)
+        return StepResult(observation, done=False, info=self._info(records))
 
     def step(self, action: str) -> StepResult:
         self.turns += 1

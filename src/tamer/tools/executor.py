@@ -16,10 +16,12 @@ correct itself and reward functions can count mistakes by kind:
     timeout         the function ran past `timeout_s`
 
 Timeouts: the function runs in a daemon worker thread that we stop waiting for after
-`timeout_s`. Python cannot kill a thread, so a tool stuck in a loop keeps running in the
-background until it returns (and, being a daemon, does not block interpreter exit). That is
-acceptable for the in-process tools this runs (pure functions over small inputs); run
-untrusted or heavy code through `tamer.tools.sandbox` instead, which uses a process.
+`timeout_s`, and then stop: `tamer.tools.stopper` raises `ToolStopped` inside it, so a tool
+stuck in a Python loop ends within milliseconds instead of spinning (and taking the GIL) for
+the rest of the run. A call blocked inside a single C function cannot be stopped that way
+until the function returns; for tools that may do that, run episodes with
+`agent.tool_isolation=process` (tamer.rollout.isolation: a worker process that is killed and
+replaced), and run untrusted code through `tamer.tools.sandbox`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 from tamer.tools.parsing import ToolCall
 from tamer.tools.schema import Tool, ToolSet, json_type, matches_type
+from tamer.tools.stopper import ToolStopped, stop_thread
 
 ERROR_KINDS = ("malformed_call", "unknown_tool", "bad_arguments", "tool_raised", "timeout")
 
@@ -126,17 +129,23 @@ def usage(tool: Tool) -> str:
 def _run_with_timeout(tool: Tool, arguments: dict[str, Any], timeout_s: float) -> tuple[str, Any]:
     """("returned", value), ("raised", exception) or ("timeout", None)."""
     box: dict[str, Any] = {}
+    done = threading.Event()
 
     def target() -> None:
         try:
             box["value"] = tool.function(**arguments)
+        except ToolStopped:
+            pass  # stopped after its timeout: nobody waits for this result any more
         except BaseException as exc:  # noqa: BLE001 - anything a tool does is reported, not raised
             box["error"] = exc
+        finally:
+            done.set()
 
     worker = threading.Thread(target=target, name=f"tool-{tool.name}", daemon=True)
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
+        stop_thread(worker, done)  # really stop it: a spinning thread would slow the trainer (GIL)
         return "timeout", None
     if "error" in box:
         return "raised", box["error"]

@@ -48,6 +48,7 @@ from tamer.rollout.engine import GenerationEngine, HFEngine
 from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams, Trajectory
 from tamer.rollout_log import RolloutLogConfig, RolloutRecorder
+from tamer.stopping import TrainingStopped, stop_requested
 from tamer.tasks.base import Task, TaskPool
 from tamer.trainers.advantage import Advantage, GroupAdvantage
 from tamer.trainers.batch import Batch, collate, micro_batches
@@ -233,8 +234,11 @@ class RLTrainer:
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 metrics.update(self.evaluate())  # 6: held-out evaluation
             self._log(metrics, step)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
-                self.save_checkpoint()
+            stop = stop_requested() and step < cfg.steps  # SIGTERM/SIGINT: checkpoint, then stop
+            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop:
+                saved = self.save_checkpoint()
+            if stop:
+                raise TrainingStopped("rl", step, saved, total_steps=cfg.steps)
         return self.last_eval
 
     def train_step(self) -> dict[str, float]:

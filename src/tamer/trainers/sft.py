@@ -3,6 +3,11 @@
     data = demonstrations(source, train_tasks, tokenizer, seed=0)
     SFTTrainer(model, tokenizer, data, SFTConfig(steps=800)).train(tracker)
 
+With `run_dir`, `save_checkpoint()` writes `run_dir/checkpoints/step-N` (weights, optimizer,
+schedule, RNG, the running loss) and `resume(path)` continues from one exactly: the data
+order is a function of the seed and the step. A stop signal (tamer.stopping) ends `train`
+after the current step with a checkpoint and `TrainingStopped`.
+
 Each example is a chat prompt and the assistant's reply; the reply ends with the turn's
 stop token so that the model learns when to stop. Prompt and padding tokens are masked
 out of the loss.
@@ -12,14 +17,18 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.config import FieldError
+from tamer.checkpoint import load_checkpoint, save_checkpoint
 from tamer.models import encode_chat
 from tamer.progress import report_progress
 from tamer.rollout.agent import AgentConfig, AgentRollout
+from tamer.stopping import TrainingStopped, stop_requested
 from tamer.tasks.base import Task, TaskSource
 from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler, right_pad
 
@@ -30,14 +39,19 @@ class SFTConfig:
 
     steps: int = 1000  # optimizer steps
     batch_size: int = 64  # demonstrations per step
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=50, schedule="cosine"))  # AdamW + schedule
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(
+        lr=1e-3, warmup_steps=50, schedule="cosine"))  # AdamW and its schedule
     log_every: int = 25  # steps between logged (averaged) losses
     seed: int = 0  # order of the demonstrations
+    checkpoint_every: int = 0  # steps between checkpoints in OUTPUT_DIR/sft/checkpoints; 0: none
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "log_every"):
+        for name in ("steps", "batch_size", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise FieldError(name, f"expected >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise FieldError("checkpoint_every", f"expected >= 0 (0: none), got {self.checkpoint_every}")
 
 
 @dataclass
@@ -103,14 +117,20 @@ class SFTTrainer:
     """Mini-batch SFT with AdamW and a warmup/decay schedule."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
-                 data: list[Example], config: SFTConfig) -> None:
+                 data: list[Example], config: SFTConfig, run_dir: str | Path | None = None) -> None:
         if not data:
             raise ValueError("SFT needs at least one demonstration")
         self.model, self.tokenizer, self.data, self.config = model, tokenizer, data, config
+        self.run_dir = Path(run_dir) if run_dir is not None else None
         self.optimizer = make_optimizer(model, config.optim)
         self.scheduler = make_scheduler(self.optimizer, config.optim, config.steps)
+        self.step = 0
+        # Loss summed since the last log line, and the last logged mean: part of a checkpoint,
+        # so that a resumed run logs exactly what an uninterrupted one would.
+        self.running, self.count, self.last_loss = 0.0, 0, float("nan")
 
-    def batches(self):
+    def batch_indices(self) -> Iterator[list[int]]:
+        """Example indices of each batch: epochs of seeded shuffles, the same for every run of a seed."""
         rng = random.Random(self.config.seed)
         order: list[int] = []
         while True:
@@ -119,24 +139,57 @@ class SFTTrainer:
                 rng.shuffle(fresh)
                 order += fresh
             chosen, order = order[: self.config.batch_size], order[self.config.batch_size:]
+            yield chosen
+
+    def batches(self):
+        for chosen in self.batch_indices():
             yield collate([self.data[i] for i in chosen], self.tokenizer.pad_token_id)
 
     def train(self, tracker=None) -> float:
-        """Run `config.steps` updates; return the last logged loss."""
+        """Run to `config.steps` updates (from `self.step` when resumed); return the last logged loss."""
+        cfg = self.config
         self.model.train()
-        running, count = 0.0, 0
-        loss_value = float("nan")
-        for step, batch in zip(range(1, self.config.steps + 1), self.batches()):
+        indices = self.batch_indices()
+        for _ in range(self.step):  # resumed: skip the batches already trained on
+            next(indices)
+        while self.step < cfg.steps:
+            batch = collate([self.data[i] for i in next(indices)], self.tokenizer.pad_token_id)
             loss = sft_loss(self.model, batch)
             loss.backward()
-            grad_norm = clip_and_step(self.model, self.optimizer, self.scheduler, self.config.optim.max_grad_norm)
-            running, count = running + loss.item(), count + 1
-            report_progress(step, {"sft/loss": running / count})  # the console's bar, every step
-            if step % self.config.log_every == 0 or step == self.config.steps:
-                loss_value = running / count
+            grad_norm = clip_and_step(self.model, self.optimizer, self.scheduler, cfg.optim.max_grad_norm)
+            self.step += 1
+            self.running, self.count = self.running + loss.item(), self.count + 1
+            report_progress(self.step, {"sft/loss": self.running / self.count})  # the console's bar, every step
+            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                self.last_loss = self.running / self.count
                 if tracker is not None:
-                    tracker.log({"sft/loss": loss_value, "sft/grad_norm": grad_norm,
-                                 "sft/lr": self.scheduler.get_last_lr()[0]}, step)
-                running, count = 0.0, 0
+                    tracker.log({"sft/loss": self.last_loss, "sft/grad_norm": grad_norm,
+                                 "sft/lr": self.scheduler.get_last_lr()[0]}, self.step)
+                self.running, self.count = 0.0, 0
+            self._checkpoint_or_stop()
         self.model.eval()
-        return loss_value
+        return self.last_loss
+
+    def _checkpoint_or_stop(self) -> None:
+        cfg = self.config
+        stop = stop_requested() and self.step < cfg.steps and self.run_dir is not None
+        if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0 and self.run_dir is not None) or stop:
+            saved = self.save_checkpoint()
+        if stop:
+            self.model.eval()
+            raise TrainingStopped("sft", self.step, saved, total_steps=cfg.steps)
+
+    def save_checkpoint(self) -> Path:
+        if self.run_dir is None:
+            raise ValueError("SFTTrainer.save_checkpoint needs run_dir")
+        state = {"running": self.running, "count": self.count, "last_loss": self.last_loss}
+        return save_checkpoint(self.run_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
+                               scheduler=self.scheduler, state=state, keep_last=self.config.keep_checkpoints,
+                               tokenizer=self.tokenizer)
+
+    def resume(self, path: str | Path) -> int:
+        """Continue from a checkpoint directory; returns the step it resumes after."""
+        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        self.running, self.count, self.last_loss = state["running"], state["count"], state["last_loss"]
+        self.step = state["step"]
+        return self.step

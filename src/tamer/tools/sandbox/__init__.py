@@ -22,7 +22,9 @@ adds what the kernel and our privileges allow:
   * as root: a per-run unprivileged uid/gid without groups, so RLIMIT_NPROC binds, file
     permissions apply and signals to host processes are refused; no-new-privs; parent-death signal.
 After the run every process of that uid is killed (`kill(-1)` from a helper running as the uid),
-which also catches daemons that left the process group. What could not be set up is listed in
+which also catches daemons that left the process group. Independently of the supervisor, the run's
+processes live in their own PID namespace whose PID 1 (reaper.py) kills them all and removes the
+workdir when the program exits, even if the supervisor was killed with SIGKILL. What could not be set up is listed in
 `SandboxResult.warnings`; `SandboxConfig.require` turns a missing layer into a `SandboxError`.
 docs/sandbox.md says in plain words what this protects against and what it does not.
 
@@ -32,6 +34,7 @@ The modules, in the order a run passes through them:
   plan.py       what the child will do, computed in the parent before the fork
   supervise.py  spawn, pump the pipes, enforce the deadline and output cap, sweep, name the limit
   child.py      the forked child's setup before exec: namespaces, mounts, rlimits, uid drop
+  reaper.py     the run's PID namespace and its PID 1: cleanup that survives the supervisor
   linux.py      ctypes primitives: unshare, setns, mount, prctl, seccomp
   pool.py       SandboxPool: many runs at once
 """

@@ -23,6 +23,7 @@ from tamer.tools.sandbox.linux import (
     PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG,
 )
 from tamer.tools.sandbox.plan import ChildPlan, MountPlan
+from tamer.tools.sandbox.reaper import start_reaper
 
 
 def child_setup(plan: ChildPlan) -> None:
@@ -70,6 +71,8 @@ def _enter_namespaces(plan: ChildPlan, applied: list[str], warnings: list[str]) 
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
         applied.append("userns")
+    if plan.pid_namespace:  # before the mount namespace: the reaper removes the host's workdir
+        start_reaper(plan.workdir, applied, warnings)
     if plan.isolate_net and linux.enter_netns(plan.netns_fd):
         applied.append("netns")
     if plan.mounts is None:

@@ -17,7 +17,7 @@ KNOWN_PROTECTIONS = (
     "userns", "netns", "seccomp-net", "mountns", "private-tmp", "tmpfs-workdir", "hidden-dirs",
     "ro-root",
     "rlimit_as", "rlimit_cpu", "rlimit_nproc", "rlimit_fsize", "rlimit_nofile", "rlimit_core",
-    "uid-drop", "no-new-privs", "pdeathsig",
+    "uid-drop", "no-new-privs", "pdeathsig", "pidns",
 )
 PARENT_SIDE = ("new-session", "scrubbed-env", "tmp-workdir", "isolated-python", "sweep-uid", "sweep-marker")
 
@@ -42,6 +42,7 @@ class SandboxConfig:
     python: str = sys.executable  # interpreter to run the code with
     drop_privileges: bool = True  # when run as root: switch to a per-run unprivileged uid
     isolate_filesystem: bool = True  # private /tmp, hidden home, read-only root (mount ns)
+    pid_namespace: bool = True  # own PID namespace + reaper: nothing outlives the run, even a killed supervisor
     require: tuple[str, ...] = ()  # protections that must be in force, else SandboxError
 
     def __post_init__(self) -> None:

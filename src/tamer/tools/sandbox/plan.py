@@ -51,6 +51,7 @@ class ChildPlan:
     rlimits: tuple[tuple[str, int, int], ...]  # (name, resource, value); RLIMIT_AS comes last
     require: tuple[str, ...]
     report_fd: int
+    pid_namespace: bool = True  # the run's processes in their own PID namespace, with a reaper (reaper.py)
     parent_pid: int = field(default_factory=os.getpid)
 
 
@@ -66,7 +67,8 @@ def make_plan(config: SandboxConfig, workdir: str, uid: int | None, report_fd: i
     netns_fd = _netns_for(uid) if isolate_net and uid is not None else None
     return ChildPlan(
         workdir, uid, isolate_net, netns_fd, mounts, not blocked,
-        _rlimits(config, uid), tuple(r for r in config.require if r not in PARENT_SIDE), report_fd)
+        _rlimits(config, uid), tuple(r for r in config.require if r not in PARENT_SIDE), report_fd,
+        config.pid_namespace)
 
 
 def _rlimits(config: SandboxConfig, uid: int | None) -> tuple[tuple[str, int, int], ...]:

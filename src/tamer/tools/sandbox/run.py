@@ -113,9 +113,49 @@ def _id_taken(uid: int) -> bool:
     return False
 
 
+_WORKDIR_PREFIX = "tamer-sbx-"
+
+
+@lru_cache(maxsize=1)
+def sweep_stale_workdirs() -> list[str]:
+    """Remove workdirs left by supervisors that died (once per process, at its first run).
+
+    A workdir is named `tamer-sbx-<supervisor pid>-<random>`; one whose supervisor is no longer
+    running is stale. Normally the run's reaper removes it even then (reaper.py); this catches
+    what it could not (no PID namespace here, or the reaper was killed too)."""
+    removed = []
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(_WORKDIR_PREFIX):
+            continue
+        pid = name[len(_WORKDIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        try:
+            info = os.lstat(os.path.join(root, name))
+        except OSError:
+            continue
+        # Only real directories made by a sandbox of ours: owned by us, or by a sandbox uid.
+        if stat.S_ISDIR(info.st_mode) and (info.st_uid == os.geteuid() or info.st_uid in _UID_RANGE):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 @contextmanager
 def _workdir(uid: int | None) -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="tamer-sbx-")
+    sweep_stale_workdirs()
+    path = tempfile.mkdtemp(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}-")
     try:
         if uid is not None:
             os.chown(path, uid, uid)
