@@ -15,8 +15,11 @@ torch ops:
 * prefill returns only the last position's logits.
 
 `FastDecoder.for_model(model)` returns None for anything it cannot prove equal to HF
-(another architecture, scaled RoPE, sliding windows in use, another activation, attention
-dropout, wrapped or biased projections); the engine then keeps the HF forward. The fused
+(another architecture, RoPE whose frequencies change with the sequence length, sliding
+windows in use, another activation, attention dropout, wrapped or biased projections); the
+engine then keeps the HF forward. RoPE variants with fixed frequencies (`default`, `linear`,
+`llama3`, `yarn`) are supported: their `inv_freq` and attention scaling are read from the
+model's rotary module, as HF computes them. The fused
 weights are a snapshot: `refresh()` rebuilds them when any parameter changed in place
 (`Tensor._version`, which optimizer steps and `load_state_dict` bump) or was replaced, so
 the engine never samples from stale weights. `forward()` is the differentiable variant for
@@ -30,6 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+# RoPE types whose frequencies are fixed at init (HF's `dynamic` and `longrope` recompute them
+# from the sequence length inside the forward, which a precomputed table cannot follow).
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -39,7 +45,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if arch not in SUPPORTED or type(model).__name__ != SUPPORTED[arch]:
         return f"architecture {arch!r} ({type(model).__name__})"
     rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default" or getattr(config, "rope_scaling", None) not in (None, {}, rope):
+    if rope.get("rope_type", "default") not in STATIC_ROPE or getattr(config, "rope_scaling", None) not in (None, {}, rope):
         return f"rope {rope!r}"
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
         return "sliding-window layers"
@@ -53,7 +59,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "logit soft-capping"
     inner = getattr(model, "model", None)
     rotary = getattr(inner, "rotary_emb", None)
-    if rotary is None or getattr(rotary, "attention_scaling", 1.0) != 1.0 or getattr(rotary, "rope_type", "default") != "default":
+    if rotary is None or getattr(rotary, "rope_type", "default") not in STATIC_ROPE or not hasattr(rotary, "inv_freq"):
         return "rotary embedding"
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear or head.bias is not None:
@@ -179,6 +185,7 @@ class FastDecoder:
                     for layer in inner.layers]
         self.final_eps = inner.norm.variance_epsilon
         self.inv_freq = inner.rotary_emb.inv_freq.detach().float().cpu()
+        self.attention_scaling = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
         self._table: torch.Tensor | None = None
         self.layers: list[tuple] | None = None  # weights for prefill/decode, fused ones copied by refresh()
         self._tables(max(int(config.max_position_embeddings), 64))
@@ -223,8 +230,8 @@ class FastDecoder:
         self.head = self.model.get_output_embeddings().weight
 
     def _tables(self, size: int) -> None:
-        """RoPE table (size, 2, D) in float32: cos and sign-folded sin of positions × inv_freq, as HF
-        computes them. With sin_signed = (-sin, sin) over the two halves, HF's
+        """RoPE table (size, 2, D) in float32: cos and sign-folded sin of positions × inv_freq (times the
+        rotary module's attention scaling, 1 except for yarn), as HF computes them. With sin_signed = (-sin, sin) over the two halves, HF's
         `x * cos + rotate_half(x) * sin` is `x * cos + roll(x, D/2) * sin_signed`, exactly (a sign flip
         is exact), in fewer ops."""
         if self._table is not None and self._table.shape[0] >= size:
@@ -232,11 +239,11 @@ class FastDecoder:
         with torch.inference_mode(False), torch.no_grad():
             freqs = torch.arange(size, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin()
+            cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling  # HF scales both
             half = sin.shape[-1] // 2
             sin[:, :half] = -sin[:, :half]
             device = self._table.device if self._table is not None else self.inv_freq.device
-            self._table = torch.stack([emb.cos(), sin], dim=1).to(device)
+            self._table = torch.stack([cos, sin], dim=1).to(device)
 
     def _rope_tables(self, positions: torch.Tensor, device: torch.device, *, size: int | None = None) -> torch.Tensor:
         """(…, 2, D): cos and signed sin at `positions`; `size` = a known bound on the positions (no sync)."""
