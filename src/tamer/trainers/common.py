@@ -99,16 +99,17 @@ def token_logprobs(
     input_ids: torch.Tensor,  # (B, T) long
     attention_mask: torch.Tensor,  # (B, T) long, right-padded
     temperature: float = 1.0,
+    fast: bool = True,
 ) -> torch.Tensor:
     """log π(token_t | tokens_<t) for every position; position 0 gets 0. Shape (B, T) float32.
 
     Logits are divided by the sampling temperature, as the sampler did (MATH.md), and the
     log-softmax is taken as logit - logsumexp to avoid materialising a (B, T, V) log-softmax.
-    Llama/Qwen2-family models run `FastDecoder.forward` (the same maths, fewer ops); others
-    the HF forward.
+    Llama/Qwen2-family models run `FastDecoder.forward` (the same maths, fewer ops); others,
+    or `fast=False`, the HF forward.
     """
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    fast = FastDecoder.for_model(model)
+    fast = FastDecoder.for_model(model) if fast else None
     if fast is not None:
         logits = fast.forward(input_ids, attention_mask, positions)[0]
     else:
@@ -128,6 +129,7 @@ def shared_prefix_logprobs(
     prompt_lengths: torch.Tensor,  # (B,) long
     prefix_index: torch.Tensor,  # (B,) long: rows with the same index have the same prompt
     temperature: float = 1.0,
+    fast: bool = True,
 ) -> torch.Tensor:
     """`token_logprobs` computed with each distinct prompt forwarded once.
 
@@ -149,7 +151,7 @@ def shared_prefix_logprobs(
     prompt_mask = (cols[None, :] >= shift).long()  # (U, P)
     prompt_ids = input_ids[first].gather(1, src) * prompt_mask
     prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    fast = FastDecoder.for_model(model)
+    fast = FastDecoder.for_model(model) if fast else None
     if fast is not None:
         out_logits, kvs = fast.forward(prompt_ids, prompt_mask, prompt_pos, return_kv=True, last_only=True)
         past = [(k[inverse], v[inverse]) for k, v in kvs]  # the prompt's KV, one copy per row
