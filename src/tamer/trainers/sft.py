@@ -6,6 +6,10 @@
 Each example is a chat prompt and the assistant's reply; the reply ends with the turn's
 stop token so that the model learns when to stop. Prompt and padding tokens are masked
 out of the loss.
+
+Llama/Qwen2-family models train on padding-free batches (`sft.padding_free`, default on:
+`trainers/packed.py`, the same loss without padded tokens, and logits only where a token is
+learned); other models, or `padding_free: false`, on right-padded batches through the HF forward.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.models import encode_chat
 from tamer.rollout.agent import AgentConfig, AgentRollout
+from tamer.rollout.fast_forward import FastDecoder
 from tamer.tasks.base import Task, TaskSource
 from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler, right_pad
+from tamer.trainers.packed import pack, packed_loss
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class SFTConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=50, schedule="cosine"))
     log_every: int = 25
     seed: int = 0
+    padding_free: bool = True  # packed batches on the lean forward where supported; False: padded HF forward
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -106,10 +113,12 @@ class SFTTrainer:
         if not data:
             raise ValueError("SFT needs at least one demonstration")
         self.model, self.tokenizer, self.data, self.config = model, tokenizer, data, config
+        self.fast = FastDecoder.for_model(model) if config.padding_free else None  # None: padded HF forward
         self.optimizer = make_optimizer(model, config.optim)
         self.scheduler = make_scheduler(self.optimizer, config.optim, config.steps)
 
-    def batches(self):
+    def example_batches(self):
+        """Endless mini-batches of examples: shuffled epochs, `batch_size` at a time."""
         rng = random.Random(self.config.seed)
         order: list[int] = []
         while True:
@@ -118,15 +127,26 @@ class SFTTrainer:
                 rng.shuffle(fresh)
                 order += fresh
             chosen, order = order[: self.config.batch_size], order[self.config.batch_size:]
-            yield collate([self.data[i] for i in chosen], self.tokenizer.pad_token_id)
+            yield [self.data[i] for i in chosen]
+
+    def batches(self):
+        """Padded batches (`collate`) in the order of `example_batches`."""
+        for examples in self.example_batches():
+            yield collate(examples, self.tokenizer.pad_token_id)
+
+    def loss(self, examples: list[Example]) -> torch.Tensor:
+        """Mean cross-entropy over the learned tokens of `examples` (packed or padded, the same value)."""
+        if self.fast is not None:
+            return packed_loss(self.model, pack(examples), self.fast)
+        return sft_loss(self.model, collate(examples, self.tokenizer.pad_token_id))
 
     def train(self, tracker=None) -> float:
         """Run `config.steps` updates; return the last logged loss."""
         self.model.train()
         running, count = 0.0, 0
         loss_value = float("nan")
-        for step, batch in zip(range(1, self.config.steps + 1), self.batches()):
-            loss = sft_loss(self.model, batch)
+        for step, examples in zip(range(1, self.config.steps + 1), self.example_batches()):
+            loss = self.loss(examples)
             loss.backward()
             grad_norm = clip_and_step(self.model, self.optimizer, self.scheduler, self.config.optim.max_grad_norm)
             running, count = running + loss.item(), count + 1
