@@ -105,6 +105,19 @@ def sft_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Te
     return (nll * mask).sum() / mask.sum().clamp(min=1)
 
 
+def batch_order(size: int, batch_size: int, seed: int):
+    """Endless lists of `batch_size` indices into `size` examples: shuffled epochs, continued across epoch ends."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        if len(order) < batch_size:
+            fresh = list(range(size))
+            rng.shuffle(fresh)
+            order += fresh
+        chosen, order = order[:batch_size], order[batch_size:]
+        yield chosen
+
+
 class SFTTrainer:
     """Mini-batch SFT with AdamW and a warmup/decay schedule."""
 
@@ -118,15 +131,8 @@ class SFTTrainer:
         self.scheduler = make_scheduler(self.optimizer, config.optim, config.steps)
 
     def example_batches(self):
-        """Endless mini-batches of examples: shuffled epochs, `batch_size` at a time."""
-        rng = random.Random(self.config.seed)
-        order: list[int] = []
-        while True:
-            if len(order) < self.config.batch_size:
-                fresh = list(range(len(self.data)))
-                rng.shuffle(fresh)
-                order += fresh
-            chosen, order = order[: self.config.batch_size], order[self.config.batch_size:]
+        """Endless mini-batches of examples (`batch_order`)."""
+        for chosen in batch_order(len(self.data), self.config.batch_size, self.config.seed):
             yield [self.data[i] for i in chosen]
 
     def batches(self):
