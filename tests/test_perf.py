@@ -187,3 +187,17 @@ def test_vs_trl_same_batch_gives_trls_gradient(tmp_path):
     assert row["logprob_max_abs_diff"] < 1e-4
     assert row["grad_rel_diff_same_advantages"] < 1e-4
     assert row["grad_rel_diff"] < 1e-2  # only TRL's std eps (1e-4 vs 1e-6) differs
+
+
+def test_fast_forward_off_runs_the_hf_forward_everywhere(tokenizer, tiny_model, tmp_path, monkeypatch):
+    """rl.fast_forward=false: the engine and the learner take the HF forward (the general path vs_trl --paths general measures)."""
+    from tamer.rollout.fast_forward import FastDecoder
+
+    def refuse(*a, **k):
+        raise AssertionError("the lean forward ran with fast_forward=False")
+    monkeypatch.setattr(FastDecoder, "forward", refuse)
+    monkeypatch.setattr(FastDecoder, "decode", refuse)
+    trainer = _trainer(tiny_model, tokenizer, tmp_path, fast_forward=False)
+    assert trainer.engine.fast is None
+    metrics = trainer.train_step()
+    assert metrics["train/sampler_logprob_gap"] < 1e-4 and metrics["tokens/learner"] > 0

@@ -158,6 +158,14 @@ class KVBuffer:
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
         self.k, self.v, self.length = keys, values, length
+        self._flat: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def flat(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer (B·H_kv, capacity, D) views of the key and value buffers (built once)."""
+        if self._flat is None:
+            as_flat = lambda t: t.view(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])  # noqa: E731
+            self._flat = ([as_flat(k) for k in self.k], [as_flat(v) for v in self.v])
+        return self._flat
 
     @property
     def layers(self) -> list[KVBuffer._Layer]:
@@ -225,6 +233,7 @@ class FastDecoder:
             layers.append((layer.input_layernorm.weight, qkv_w, qkv_b, a.o_proj.weight, a.o_proj.bias,
                            layer.post_attention_layernorm.weight, gu_w, m.down_proj.weight))
         self.layers = layers
+        self._t = [(layer[3].t(), layer[7].t()) for layer in layers]  # o_proj, down_proj as addmm operands (views)
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.head = self.model.get_output_embeddings().weight
@@ -373,7 +382,7 @@ class FastDecoder:
         end = col + 1
         heads, kv, d = self.num_heads, self.num_kv, self.head_dim
         group = heads // kv
-        cs = self._rope_tables(positions, tokens.device, size=0)  # prefill sized the table
+        cos, sin = self._rope_tables(positions, tokens.device, size=0)[:, None].unbind(-2)  # (B, 1, D): every layer's
         x = F.embedding(tokens, self.embed)  # (B, hidden)
         # Attention of one query per head, as two batched matmuls over (row, KV head) pairs with the
         # `group` query heads of a KV head as that pair's rows (GQA without repeating keys). At decode
@@ -388,27 +397,29 @@ class FastDecoder:
             bias = bias[:, None, None, :].expand(batch, kv, group, end).reshape(batch * kv, group, end)
         else:
             mask = key_mask[:, None, None, :end]  # (B, 1, 1, T): shared by every head
+        flat_k, flat_v = cache.flat()  # per layer (B·H_kv, capacity, D) views of the buffers
+        half = d // 2
         for i, (ln1, qkv_w, qkv_b, o_w, o_b, ln2, gu_w, down_w) in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps[i][0])
             qkv = F.linear(h, qkv_w, qkv_b).view(batch, heads + 2 * kv, d)
-            qk = self._rope(qkv[:, :heads + kv], cs)
+            qk = qkv[:, :heads + kv]
+            qk = qk * cos + torch.roll(qk, half, dims=-1) * sin  # RoPE, as `_rope`
             kb, vb = cache.k[i], cache.v[i]
             kb[:, :, col] = qk[:, heads:]
             vb[:, :, col] = qkv[:, heads + kv:]
             if fuse:
                 q = qk[:, :heads].reshape(batch * kv, group, d)
-                keys = kb[:, :, :end].reshape(batch * kv, end, d)  # views: B and H_kv merge without a copy
-                scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self.scaling)
-                attn = torch.bmm(scores.softmax(-1), vb[:, :, :end].reshape(batch * kv, end, d))
+                scores = torch.baddbmm(bias, q, flat_k[i][:, :end].transpose(1, 2), alpha=self.scaling)
+                attn = torch.bmm(scores.softmax(-1), flat_v[i][:, :end])
             else:
                 q = qk[:, :heads].reshape(batch, kv, group, d)
                 attn = F.scaled_dot_product_attention(q, kb[:, :, :end], vb[:, :, :end], attn_mask=mask, scale=self.scaling)
             attn = attn.reshape(batch, heads * d)
             # Residual adds fused into the matmuls (addmm: x + a @ W.T) when `fuse`.
-            x = torch.addmm(x, attn, o_w.t()) if fuse and o_b is None else x + F.linear(attn, o_w, o_b)
+            x = torch.addmm(x, attn, self._t[i][0]) if fuse and o_b is None else x + F.linear(attn, o_w, o_b)
             h = F.rms_norm(x, (x.shape[-1],), ln2, self.eps[i][1])
             gate, up = F.linear(h, gu_w).chunk(2, dim=-1)
             act = F.silu(gate) * up
-            x = torch.addmm(x, act, down_w.t()) if fuse else x + F.linear(act, down_w)
+            x = torch.addmm(x, act, self._t[i][1]) if fuse else x + F.linear(act, down_w)
         cache.length = end
         return F.linear(F.rms_norm(x, (x.shape[-1],), self.norm, self.final_eps), self.head)
