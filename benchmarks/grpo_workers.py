@@ -19,10 +19,11 @@ from pathlib import Path
 SIZES = {  # name -> model shape (char vocabulary: 269 tokens)
     "1m": dict(arch="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512),
     "20m": dict(arch="qwen2", hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=1664),
-    # Llama 3.2's RoPE (llama3 frequency scaling, theta 5e5), untied head; the 1m shape otherwise
+    # Llama 3.2's RoPE (llama3 frequency scaling: factor 32, theta 5e5; its original context scaled down to 1024,
+    # so that most of the 16 frequencies of a 32-wide head are rescaled), untied head; the 1m shape otherwise
     "1m-llama3": dict(arch="llama", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512,
                       rope={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192, "rope_theta": 500000.0}),
+                            "original_max_position_embeddings": 1024, "rope_theta": 500000.0}),
 }
 SPEED = dict(prompts_per_step=4, group_size=8, max_new_tokens=32, lr=1e-5)
 LEARNING = dict(prompts_per_step=16, group_size=8, max_new_tokens=32, lr=1e-4)  # the arithmetic demo's RL
@@ -42,7 +43,7 @@ def build_model(size: str, out: Path) -> Path:
         config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=shape["hidden_size"],
                              intermediate_size=shape["intermediate_size"], num_hidden_layers=shape["num_layers"],
                              num_attention_heads=shape["num_heads"], num_key_value_heads=shape["num_kv_heads"],
-                             max_position_embeddings=1024, rope_parameters=rope, tie_word_embeddings=False,
+                             max_position_embeddings=8192, rope_parameters=rope, tie_word_embeddings=False,
                              pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                              eos_token_id=tokenizer.eos_token_id)
         torch.manual_seed(0)
