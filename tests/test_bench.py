@@ -146,3 +146,38 @@ def test_learning_summary_by_hand():
 def test_accuracy_at_takes_the_last_evaluation_so_far():
     curve = [[0, 0.0, 0.5], [5, 2.0, 0.8], [10, 4.0, 0.9]]
     assert bs.accuracy_at(curve, 0.0) == 0.5 and bs.accuracy_at(curve, 3.9) == 0.8 and bs.accuracy_at(curve, 9) == 0.9
+
+
+def test_summarize_cli_reports_missing_seeds(tmp_path):
+    """`vs_trl.py --summarize FILE --seeds ...` on per-seed rows: the statistics, and `complete` false while a seed is missing."""
+    import json
+    import subprocess
+    rows = [_row(0, [0.5, 0.9, 0.96, 0.97, 0.98], [0.5, 0.8, 0.95, 0.97, 0.99]),
+            _row(1, [0.5, 0.96, 0.96, 0.97, 0.97], [0.5, 0.9, 0.9, 0.96, 0.97])]
+    path = tmp_path / "learning.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--summarize", str(path),
+                          "--seeds", "0-2", "--flips", "200"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["mode"] == "learning_summary" and summary["missing_seeds"] == [2] and not summary["complete"]
+    assert summary["steps_to_target"]["tamer"] == [10, 5] and summary["margin"] == 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install -e '.[bench]')")
+def test_sft_vs_trl_smoke(tmp_path):
+    """Both SFT sides run on the same batches: tokens per step equal, per-step losses equal."""
+    import json
+    import subprocess
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sft_vs_trl.py"), "--task", "arithmetic", "--steps", "3",
+                          "--warmup", "1", "--pairs", "1", "--threads", "1", "--trl-layouts", "padded",
+                          "--tamer-layouts", "packed"], capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.strip().splitlines()]
+    tamer, trl, summary = rows
+    assert tamer["lean_forward"] is True and trl["gradient_checkpointing"] is False
+    assert tamer["tokens_per_step"] == trl["tokens_per_step"]
+    assert summary["loss_curve_vs_trl"]["padded"]["max_abs_loss_diff"] < 1e-3
+    for key in ("speedup_median", "speedup_min", "speedup_max", "target_met", "trl_best_layout"):
+        assert key in summary
