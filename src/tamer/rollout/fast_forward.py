@@ -196,7 +196,7 @@ class FastDecoder:
         self.attention_scaling = float(getattr(inner.rotary_emb, "attention_scaling", 1.0))
         self._table: torch.Tensor | None = None
         self.layers: list[tuple] | None = None  # weights for prefill/decode, fused ones copied by refresh()
-        self._tables(max(int(config.max_position_embeddings), 64))
+        self._tables(64)  # grown on demand: prefill sizes it for prompt + completion, the learner for its rows
 
     @classmethod
     def for_model(cls, model: nn.Module) -> FastDecoder | None:
