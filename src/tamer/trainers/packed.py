@@ -61,7 +61,7 @@ def packed_logits(fast: FastDecoder, batch: dict[str, torch.Tensor]) -> torch.Te
     device = fast.model.model.embed_tokens.weight.device
     ids, positions, lengths, select = ids.to(device), positions.to(device), lengths.to(device), select.to(device)
     groups = _attention_groups(lengths.tolist(), positions)
-    heads, kv, d = fast.num_heads, fast.num_kv, fast.head_dim
+    d = fast.head_dim
     cs = fast._rope_tables(positions, device, size=int(lengths.max()))  # (N, 2, D)
     x = F.embedding(ids, fast.model.model.embed_tokens.weight)  # (N, hidden)
     layers = fast._live_layers()
