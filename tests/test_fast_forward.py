@@ -13,16 +13,33 @@ from tamer.models import shared_prefix_logprobs, token_logprobs
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24]]
 
 
+ROPES = {  # RoPE variants with fixed frequencies, as Llama 3 and yarn-scaled checkpoints ship them
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8, "rope_theta": 500000.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+}
+
+
 def _model(tokenizer, arch, **overrides):
+    rope = overrides.pop("rope", None)
     config = dict(arch=arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                   tie_word_embeddings=arch == "qwen2")
     config.update(overrides)
-    return build_tiny_model(tokenizer, TinyModelConfig(**config)).eval()
+    if rope is None:
+        return build_tiny_model(tokenizer, TinyModelConfig(**config)).eval()
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    torch.manual_seed(0)
+    hf = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_parameters=ROPES[rope],
+                     pad_token_id=tokenizer.pad_token_id)
+    return AutoModelForCausalLM.from_config(hf).eval()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "llama3", "yarn", "linear"])
 def test_prefill_and_decode_logits_equal_hf(tokenizer, arch):
-    model = _model(tokenizer, arch)
+    """Also for scaled RoPE (positions beyond `original_max_position_embeddings` = 8 hit the scaling)."""
+    model = _model(tokenizer, arch) if arch in ("qwen2", "llama") else _model(tokenizer, "llama", rope=arch)
     assert unsupported_reason(model) is None
     fast = FastDecoder.for_model(model)
     ids, mask = _left_pad(PROMPTS, tokenizer.pad_token_id)  # left padding of different widths
@@ -90,9 +107,9 @@ def _hf_only(monkeypatch):
     monkeypatch.setattr(FastDecoder, "for_model", classmethod(lambda cls, model: None))
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "llama3", "yarn"])
 def test_learner_logprobs_and_gradients_equal_hf(tokenizer, arch, monkeypatch):
-    model = _model(tokenizer, arch).train()
+    model = (_model(tokenizer, arch) if arch in ("qwen2", "llama") else _model(tokenizer, "llama", rope=arch)).train()
     prompt = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
     rows = [prompt[0] + [30, 31, 32], prompt[0] + [33, 34], prompt[1] + [40, 41, 42, 43], prompt[1] + [44]]
     width = max(len(r) for r in rows)

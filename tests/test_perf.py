@@ -161,15 +161,19 @@ def test_precision_is_validated():
 def test_vs_trl_smoke(tmp_path):
     """Both sides of benchmarks/vs_trl.py run and print the documented keys."""
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--sizes", "1m", "--betas", "0.04",
-                          "--precisions", "fp32", "--steps", "1", "--warmup", "1", "--threads", "1"],
-                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
+                          "--precisions", "fp32", "--paths", "fast", "--pairs", "2", "--steps", "1", "--warmup", "1",
+                          "--threads", "1"], capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("model_params", "beta", "precision", "tamer_s_per_step", "trl_s_per_step", "ratio",
-                "tamer_gen_tokens_per_s", "trl_gen_tokens_per_s", "tamer_peak_rss_mb", "trl_peak_rss_mb",
-                "tamer_utilization_vs_1024", "tamer_profile_s", "trl_profile_s"):
+    for key in ("model_params", "beta", "precision", "tamer_s_per_step", "trl_s_per_step", "ratio_median",
+                "ratio_min", "ratio_max", "target_met", "tamer_threads", "trl_threads", "tamer_gen_tokens_per_s",
+                "trl_gen_tokens_per_s", "tamer_peak_rss_mb", "trl_peak_rss_mb", "tamer_utilization_vs_1024",
+                "tamer_profile_s", "trl_profile_s", "cpu_bf16_units"):
         assert key in row
-    assert row["beta"] == 0.04 and row["tamer_s_per_step"] > 0
+    assert row["beta"] == 0.04 and row["tamer_s_per_step"] > 0 and row["pairs"] == 2
+    assert row["trl_gradient_checkpointing"] is False and row["trl_use_bias_correction_kl"] is False
+    assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+    assert row["target_met"] == (row["ratio_max"] <= row["target"])
     layouts = row["matmul_gflops_by_layout"][0]  # the reference is the best of the four operand layouts
     assert len(layouts) == 4 and row["matmul_gflops_1024"] == max(layouts.values())
 
@@ -186,3 +190,17 @@ def test_vs_trl_same_batch_gives_trls_gradient(tmp_path):
     assert row["logprob_max_abs_diff"] < 1e-4
     assert row["grad_rel_diff_same_advantages"] < 1e-4
     assert row["grad_rel_diff"] < 1e-2  # only TRL's std eps (1e-4 vs 1e-6) differs
+
+
+def test_fast_forward_off_runs_the_hf_forward_everywhere(tokenizer, tiny_model, tmp_path, monkeypatch):
+    """rl.fast_forward=false: the engine and the learner take the HF forward (the general path vs_trl --paths general measures)."""
+    from tamer.models.fast_forward import FastDecoder
+
+    def refuse(*a, **k):
+        raise AssertionError("the lean forward ran with fast_forward=False")
+    monkeypatch.setattr(FastDecoder, "forward", refuse)
+    monkeypatch.setattr(FastDecoder, "decode", refuse)
+    trainer = _trainer(tiny_model, tokenizer, tmp_path, fast_forward=False)
+    assert trainer.engine.fast is None
+    metrics = trainer.train_step()
+    assert metrics["train/sampler_logprob_gap"] < 1e-4 and metrics["tokens/learner"] > 0

@@ -23,6 +23,7 @@ def token_logprobs(
     input_ids: torch.Tensor,  # (B, T) long
     attention_mask: torch.Tensor,  # (B, T) long, right-padded
     temperature: float = 1.0,
+    fast: bool = True,
 ) -> torch.Tensor:
     """log π(token_t | tokens_<t) for every position; position 0 gets 0. Shape (B, T) float32.
 
@@ -32,7 +33,7 @@ def token_logprobs(
     same maths, fewer ops); others the HF forward.
     """
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    fast = FastDecoder.for_model(model)
+    fast = FastDecoder.for_model(model) if fast else None  # fast=False: the HF forward
     if fast is not None:
         logits = fast.forward(input_ids, attention_mask, positions)[0]
     else:
@@ -52,6 +53,7 @@ def shared_prefix_logprobs(
     prompt_lengths: torch.Tensor,  # (B,) long
     prefix_index: torch.Tensor,  # (B,) long: rows with the same index have the same prompt
     temperature: float = 1.0,
+    fast: bool = True,
 ) -> torch.Tensor:
     """`token_logprobs` computed with each distinct prompt forwarded once.
 
@@ -74,12 +76,12 @@ def shared_prefix_logprobs(
     prompt_mask = (cols[None, :] >= shift).long()  # (U, P)
     prompt_ids = input_ids[first].gather(1, src) * prompt_mask
     prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    fast = FastDecoder.for_model(model)
+    fast = FastDecoder.for_model(model) if fast else None  # fast=False: the HF forward
     if fast is None and model.training and torch.is_grad_enabled() and \
             any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         # HF's checkpointed layers drop the KV cache (use_cache=False), so the prompt cannot be shared.
         completion = torch.arange(input_ids.shape[1], device=device)[None, :] >= prompt_lengths.to(device)[:, None]
-        return token_logprobs(model, input_ids, attention_mask, temperature) * (completion & attention_mask.bool())
+        return token_logprobs(model, input_ids, attention_mask, temperature, fast=False) * (completion & attention_mask.bool())
     if fast is not None:
         out_logits, kvs = fast.forward(prompt_ids, prompt_mask, prompt_pos, return_kv=True, last_only=True)
         past = [(k[inverse], v[inverse]) for k, v in kvs]  # the prompt's KV, one copy per row

@@ -96,7 +96,7 @@ def sample_tokens(
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-    logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+    logprobs = torch.log_softmax(logits / params.temperature if params.temperature != 1.0 else logits, dim=-1)
     if params.top_p < 1.0:
         logprobs = _top_p_filter(logprobs, params.top_p)
     tokens = _inverse_cdf_sample(logprobs.exp(), generator)

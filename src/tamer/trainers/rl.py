@@ -114,6 +114,7 @@ class RLConfig:
     share_prompt_prefix: bool = True  # learner: forward each group's shared prompt once, not G times
     rollout_threads: int = 0  # intra-op threads while generating; 0 = the process's setting
     generation_batch: int = 256  # sequences generated at once (rollouts and evaluation); lower caps memory
+    fast_forward: bool = True  # the lean forward in engine and learner where supported; False: HF forward
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))  # the policy's optimizer
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # estimator, loss, aggregation, KL
     critic: CriticConfig = field(default_factory=CriticConfig)  # used when algorithm.advantage = gae
@@ -191,7 +192,8 @@ class RLTrainer:
         self.run_dir, self.tracker = Path(run_dir), tracker
         self.pool = TaskPool(train_tasks, seed=config.seed)
         self.engine = engine or HFEngine(model, tokenizer.pad_token_id, max_batch=config.generation_batch,
-                                        precision=config.precision, threads=config.rollout_threads)
+                                        precision=config.precision, threads=config.rollout_threads,
+                                        fast=config.fast_forward)
         self.rollout = Rollout(self.engine, tokenizer, agent)
         self.stop_ids = stop_token_ids(tokenizer)
         self.optimizer = make_optimizer(model, config.optim)
@@ -358,8 +360,8 @@ class RLTrainer:
         with autocast(cfg.precision, batch.input_ids.device):
             if cfg.share_prompt_prefix and batch.prefix_index is not None and len(batch) > 1:
                 return shared_prefix_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_lengths,
-                                              batch.prefix_index, cfg.temperature)
-            return token_logprobs(model, batch.input_ids, batch.attention_mask, cfg.temperature)
+                                              batch.prefix_index, cfg.temperature, fast=cfg.fast_forward)
+            return token_logprobs(model, batch.input_ids, batch.attention_mask, cfg.temperature, fast=cfg.fast_forward)
 
     @torch.no_grad()
     def _no_grad_logprobs(self, model: PreTrainedModel, batch: Batch) -> torch.Tensor:

@@ -11,6 +11,10 @@ after the current step with a checkpoint and `TrainingStopped`.
 Each example is a chat prompt and the assistant's reply; the reply ends with the turn's
 stop token so that the model learns when to stop. Prompt and padding tokens are masked
 out of the loss.
+
+Llama/Qwen2-family models train on padding-free batches (`sft.padding_free`, default on:
+`trainers/packed.py`, the same loss without padded tokens, and logits only where a token is
+learned); other models, or `padding_free: false`, on right-padded batches through the HF forward.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from tamer.models import encode_chat
 from tamer.progress import report_progress
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.stopping import TrainingStopped, stop_requested
+from tamer.models.fast_forward import FastDecoder
 from tamer.tasks.base import Task, TaskSource
 from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler, right_pad
+from tamer.trainers.packed import pack, packable, packed_loss
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class SFTConfig:
         lr=1e-3, warmup_steps=50, schedule="cosine"))  # AdamW and its schedule
     log_every: int = 25  # steps between logged (averaged) losses
     seed: int = 0  # order of the demonstrations
+    padding_free: bool = True  # packed batches on the lean forward where supported; False: padded HF forward
     checkpoint_every: int = 0  # steps between checkpoints in OUTPUT_DIR/sft/checkpoints; 0: none
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
 
@@ -113,6 +120,19 @@ def sft_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Te
     return (nll * mask).sum() / mask.sum().clamp(min=1)
 
 
+def batch_order(size: int, batch_size: int, seed: int):
+    """Endless lists of `batch_size` indices into `size` examples: shuffled epochs, continued across epoch ends."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        if len(order) < batch_size:
+            fresh = list(range(size))
+            rng.shuffle(fresh)
+            order += fresh
+        chosen, order = order[:batch_size], order[batch_size:]
+        yield chosen
+
+
 class SFTTrainer:
     """Mini-batch SFT with AdamW and a warmup/decay schedule."""
 
@@ -122,6 +142,8 @@ class SFTTrainer:
             raise ValueError("SFT needs at least one demonstration")
         self.model, self.tokenizer, self.data, self.config = model, tokenizer, data, config
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        fast = FastDecoder.for_model(model) if config.padding_free else None
+        self.fast = fast if packable(fast) else None  # None: padded HF forward
         self.optimizer = make_optimizer(model, config.optim)
         self.scheduler = make_scheduler(self.optimizer, config.optim, config.steps)
         self.step = 0
@@ -129,32 +151,31 @@ class SFTTrainer:
         # so that a resumed run logs exactly what an uninterrupted one would.
         self.running, self.count, self.last_loss = 0.0, 0, float("nan")
 
-    def batch_indices(self) -> Iterator[list[int]]:
-        """Example indices of each batch: epochs of seeded shuffles, the same for every run of a seed."""
-        rng = random.Random(self.config.seed)
-        order: list[int] = []
-        while True:
-            if len(order) < self.config.batch_size:
-                fresh = list(range(len(self.data)))
-                rng.shuffle(fresh)
-                order += fresh
-            chosen, order = order[: self.config.batch_size], order[self.config.batch_size:]
-            yield chosen
+    def example_batches(self):
+        """Endless mini-batches of examples (`batch_order`)."""
+        for chosen in batch_order(len(self.data), self.config.batch_size, self.config.seed):
+            yield [self.data[i] for i in chosen]
 
     def batches(self):
-        for chosen in self.batch_indices():
-            yield collate([self.data[i] for i in chosen], self.tokenizer.pad_token_id)
+        """Padded batches (`collate`) in the order of `example_batches`."""
+        for examples in self.example_batches():
+            yield collate(examples, self.tokenizer.pad_token_id)
+
+    def loss(self, examples: list[Example]) -> torch.Tensor:
+        """Mean cross-entropy over the learned tokens of `examples` (packed or padded, the same value)."""
+        if self.fast is not None:
+            return packed_loss(self.model, pack(examples), self.fast)
+        return sft_loss(self.model, collate(examples, self.tokenizer.pad_token_id))
 
     def train(self, tracker=None) -> float:
         """Run to `config.steps` updates (from `self.step` when resumed); return the last logged loss."""
         cfg = self.config
         self.model.train()
-        indices = self.batch_indices()
+        batches = self.example_batches()
         for _ in range(self.step):  # resumed: skip the batches already trained on
-            next(indices)
+            next(batches)
         while self.step < cfg.steps:
-            batch = collate([self.data[i] for i in next(indices)], self.tokenizer.pad_token_id)
-            loss = sft_loss(self.model, batch)
+            loss = self.loss(next(batches))
             loss.backward()
             grad_norm = clip_and_step(self.model, self.optimizer, self.scheduler, cfg.optim.max_grad_norm)
             self.step += 1

@@ -1,0 +1,183 @@
+"""benchmarks/: the TRL settings documented in docs/performance.md are the ones `trl_settings()` sets,
+and the statistics of the speed and learning comparisons (hand-computed cases)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_stats as bs  # noqa: E402
+from grpo_workers import trl_settings  # noqa: E402
+
+HEADING = "## TRL settings that differ from tamer's behaviour"
+SPEED_SPEC = dict(prompts_per_step=4, group_size=8, max_new_tokens=32, lr=1e-5, beta=0.04, precision="fp32",
+                  run_dir="/tmp/run", total_steps=14, seed=3, eval_every=0)
+LEARNING_SPEC = dict(SPEED_SPEC, lr=1e-4, prompts_per_step=16, beta=0.0, eval_every=5, total_steps=40)
+
+
+def documented_settings() -> dict[str, str]:
+    """field -> the `trl_config()` expression column of the table under HEADING."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert HEADING in text, f"docs/performance.md lacks the section {HEADING!r}"
+    rows, in_body = {}, False
+    for line in text.split(HEADING, 1)[1].splitlines()[1:]:
+        if line.startswith("## "):
+            break
+        in_body = in_body or line.startswith("|---")
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if in_body and not line.startswith("|---") and len(cells) >= 4:
+            rows[cells[0].strip("`")] = cells[1].strip("`")
+    assert len(rows) >= 10, rows
+    return rows
+
+
+def _value(expression: str, spec: dict):
+    tree = ast.parse(expression, mode="eval")
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert names <= {"spec"}, f"only `spec` may appear in {expression!r}"
+    return eval(compile(tree, "<doc>", "eval"), {"__builtins__": {}}, {"spec": spec})  # noqa: S307 (repo text)
+
+
+@pytest.mark.parametrize("spec", [SPEED_SPEC, LEARNING_SPEC], ids=["speed", "learning"])
+def test_documented_trl_settings_are_set(spec):
+    """Each setting listed as differing from tamer is set by trl_settings(), to the documented value."""
+    settings = trl_settings(spec)
+    for name, expression in documented_settings().items():
+        assert name in settings, f"docs/performance.md lists {name}, trl_settings() does not set it"
+        assert settings[name] == _value(expression, spec), name
+    assert settings["gradient_checkpointing"] is False and settings["use_bias_correction_kl"] is False
+    assert settings["logging_steps"] > settings["max_steps"] if not spec["eval_every"] else settings["logging_steps"] == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install -e '.[bench]')")
+def test_every_changed_trl_default_is_documented():
+    """The other direction: every GRPOConfig default that trl_settings() changes is in the table."""
+    from trl import GRPOConfig
+    defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(GRPOConfig)}
+    documented = documented_settings()
+    changed = {k for k, v in trl_settings(SPEED_SPEC).items() if defaults[k] != v}
+    assert changed - set(documented) == set(), "changed but not documented"
+    assert set(documented) - changed == set(), "documented as differing but equal to TRL's default"
+
+
+# ---------------------------------------------------------------------------- statistics
+def test_t_distribution_matches_tables():
+    assert bs.t_ppf(0.975, 20) == pytest.approx(2.0860, abs=1e-4)  # the t table's 2.086
+    assert bs.t_ppf(0.95, 23) == pytest.approx(1.7139, abs=1e-4)
+    assert bs.t_cdf(0.0, 7) == pytest.approx(0.5)
+    assert bs.t_cdf(1.0, 1) == pytest.approx(0.75)  # Cauchy: 1/2 + atan(1)/pi
+    assert bs.t_cdf(-2.0, 2) == pytest.approx(0.5 - 1 / math.sqrt(6), abs=1e-12)  # closed form for df = 2
+    assert bs.binom_two_sided(0, 5) == pytest.approx(2 / 32)
+    assert bs.binom_two_sided(3, 6) == pytest.approx(1.0)
+    assert bs.binom_two_sided(1, 6) == pytest.approx(14 / 64)
+
+
+def test_paired_t_and_tost_by_hand():
+    diffs = [0.01, -0.01, 0.02, 0.0]  # mean 0.005
+    out = bs.paired(diffs, margin=0.05)
+    sd = math.sqrt(((0.005) ** 2 + 0.015 ** 2 + 0.015 ** 2 + 0.005 ** 2) / 3)
+    assert out["mean_diff"] == pytest.approx(0.005) and out["sd"] == pytest.approx(sd)
+    se = sd / 2
+    assert out["t"] == pytest.approx(0.005 / se)
+    half = bs.t_ppf(0.95, 3) * se  # 2.3534 * se
+    assert out["interval"] == pytest.approx([0.005 - half, 0.005 + half])
+    assert out["equivalent"] is True  # the 90% interval (-0.010, 0.020) lies inside +-0.05
+    assert bs.paired(diffs, margin=0.01)["equivalent"] is False
+    # the upper one-sided test (H0: mean >= +0.01) is the weaker: t = (0.005 - 0.01) / se
+    assert bs.paired(diffs, margin=0.01)["p_tost"] == pytest.approx(bs.t_cdf((0.005 - 0.01) / se, 3))
+
+
+def test_ratio_target_needs_the_whole_range():
+    out = bs.ratio_summary([0.4, 0.45, 0.52], [1.0, 1.0, 1.0], 0.5)
+    assert out["ratio_median"] == 0.45 and out["ratio_min"] == 0.4 and out["ratio_max"] == 0.52
+    assert out["target_met"] is False
+    assert bs.ratio_summary([0.4, 0.45, 0.5], [1.0, 1.0, 1.0], 0.5)["target_met"] is True
+
+
+def test_max_t_permutation_finds_a_real_shift_and_not_noise():
+    rng = np.random.default_rng(1)
+    noise = rng.normal(0, 1, size=(20, 6))
+    null = bs.max_t_permutation(noise, flips=4000)
+    assert null["p_global"] > 0.05
+    shifted = noise.copy()
+    shifted[:, 3] += 2.0
+    out = bs.max_t_permutation(shifted, flips=4000)
+    assert out["p_adjusted"][3] < 0.01 and min(p for i, p in enumerate(out["p_adjusted"]) if i != 3) > 0.01
+    assert bs.max_t_permutation(np.zeros((5, 3)), flips=100)["p_adjusted"] == [1.0, 1.0, 1.0]
+
+
+def _row(seed, tamer, trl, tamer_s=1.0, trl_s=2.0):
+    curve = lambda accs, s: [[5 * i, s * 5 * i, a] for i, a in enumerate(accs)]  # noqa: E731
+    return {"seed": seed, "steps": 20, "eval_every": 5, "tamer_curve": curve(tamer, tamer_s), "trl_curve": curve(trl, trl_s)}
+
+
+def test_learning_summary_by_hand():
+    rows = [_row(0, [0.5, 0.9, 0.96, 0.97, 0.98], [0.5, 0.8, 0.95, 0.97, 0.99]),
+            _row(1, [0.5, 0.96, 0.96, 0.97, 0.97], [0.5, 0.9, 0.9, 0.96, 0.97]),
+            _row(2, [0.5, 0.8, 0.9, 0.9, 0.94], [0.5, 0.9, 0.96, 0.96, 0.96])]
+    out = bs.learning_summary(rows, seeds=[0, 1, 2], target=0.95, flips=500)
+    assert out["complete"] and out["seeds_done"] == 3
+    # plateau = evaluations at steps >= 10: seed 0: (0.96+0.97+0.98)/3 - (0.95+0.97+0.99)/3 = 0
+    assert out["plateau"]["mean_diff"] == pytest.approx((0.0 + (0.9667 - 0.9433) + (0.9133 - 0.96)) / 3, abs=1e-3)
+    steps = out["steps_to_target"]
+    assert steps["tamer"] == [10, 5, None] and steps["trl"] == [10, 15, 10]
+    assert (steps["tamer_first"], steps["trl_first"], steps["ties"]) == (1, 1, 1)
+    assert steps["censored_at"] == 25 and steps["tamer_never"] == 1
+    seconds = out["seconds_to_target"]  # tamer's clock runs at 1 s per step, TRL's at 2
+    assert seconds["tamer"] == [10.0, 5.0, None] and seconds["trl"] == [20.0, 30.0, 20.0]
+    assert (seconds["tamer_first"], seconds["trl_first"]) == (2, 1)
+    assert out["curve_by_step"]["steps"] == [0, 5, 10, 15, 20]
+    assert out["curve_by_seconds"]["seconds"][-1] == 20.0  # the shorter run's end
+    partial = bs.learning_summary(rows[:2], seeds=[0, 1, 2], target=0.95, flips=100)
+    assert not partial["complete"] and partial["missing_seeds"] == [2]
+
+
+def test_accuracy_at_takes_the_last_evaluation_so_far():
+    curve = [[0, 0.0, 0.5], [5, 2.0, 0.8], [10, 4.0, 0.9]]
+    assert bs.accuracy_at(curve, 0.0) == 0.5 and bs.accuracy_at(curve, 3.9) == 0.8 and bs.accuracy_at(curve, 9) == 0.9
+
+
+def test_summarize_cli_reports_missing_seeds(tmp_path):
+    """`vs_trl.py --summarize FILE --seeds ...` on per-seed rows: the statistics, and `complete` false while a seed is missing."""
+    import json
+    import subprocess
+    rows = [_row(0, [0.5, 0.9, 0.96, 0.97, 0.98], [0.5, 0.8, 0.95, 0.97, 0.99]),
+            _row(1, [0.5, 0.96, 0.96, 0.97, 0.97], [0.5, 0.9, 0.9, 0.96, 0.97])]
+    path = tmp_path / "learning.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--summarize", str(path),
+                          "--seeds", "0-2", "--flips", "200"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["mode"] == "learning_summary" and summary["missing_seeds"] == [2] and not summary["complete"]
+    assert summary["steps_to_target"]["tamer"] == [10, 5] and summary["margin"] == 0.01
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install -e '.[bench]')")
+def test_sft_vs_trl_smoke(tmp_path):
+    """Both SFT sides run on the same batches: tokens per step equal, per-step losses equal."""
+    import json
+    import subprocess
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sft_vs_trl.py"), "--task", "arithmetic", "--steps", "3",
+                          "--warmup", "1", "--pairs", "1", "--threads", "1", "--trl-layouts", "padded",
+                          "--tamer-layouts", "packed"], capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.strip().splitlines()]
+    tamer, trl, summary = rows
+    assert tamer["lean_forward"] is True and trl["gradient_checkpointing"] is False
+    assert tamer["tokens_per_step"] == trl["tokens_per_step"]
+    assert summary["loss_curve_vs_trl"]["padded"]["max_abs_loss_diff"] < 1e-3
+    for key in ("speedup_median", "speedup_min", "speedup_max", "target_met", "trl_best_layout"):
+        assert key in summary
