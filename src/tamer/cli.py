@@ -159,10 +159,12 @@ def config_show(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = 
 def _mount_subcommands() -> None:
     from tamer.advise import advise_command
     from tamer.compare import compare_command
+    from tamer.rlhf import rm_command
     from tamer.tools.sandbox_cli import sandbox_app
 
     app.command("compare")(compare_command)
     app.command("advise")(advise_command)
+    app.command("rm")(rm_command)
     app.add_typer(sandbox_app, name="sandbox")
 
 

@@ -35,6 +35,7 @@ from tamer.tasks import TaskConfig, get_task_source
 from tamer.tasks.base import Task, TaskSource
 from tamer.tracking import Tracker, plot_metrics
 from tamer.trainers.common import OptimConfig, seed_everything
+from tamer.trainers.reward_model import RewardModelConfig
 from tamer.trainers.rl import RLConfig, RLTrainer
 from tamer.trainers.sft import SFTConfig, SFTTrainer, demonstration_texts, demonstrations
 
@@ -80,6 +81,7 @@ class RunConfig:
         steps=40, prompts_per_step=16, group_size=8, max_new_tokens=32, optim=OptimConfig(lr=1e-4), eval_every=10))
     eval: EvalConfig = field(default_factory=EvalConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn budgets for environment tasks
+    rm: RewardModelConfig = field(default_factory=RewardModelConfig)  # `tamer rm`: reward model from preferences
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 

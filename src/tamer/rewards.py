@@ -11,6 +11,12 @@ traceback kept for the log.
 
 Your own function: `composer = RewardComposer(config, extra={"mine": my_fn})` and put
 "mine" in `weights`.
+
+Batch rewards (a learned reward model, an LLM judge) score a whole scoring pass at once:
+they register a class whose constructor takes the function's `reward.params` and whose
+instances have `score_batch(trajectories) -> list[float | Exception]` (see `BatchReward`).
+The composer builds each once and calls `score_batch` once per pass; an Exception item is
+that trajectory's error, counted and scored `default_on_error` like a raising function.
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ from __future__ import annotations
 import math
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
+from tamer.config import ConfigError
+from tamer.learned_rewards import JudgeReward, RewardModelReward
 from tamer.registry import Registry
 from tamer.rollout.types import Trajectory
 from tamer.tasks.base import ANSWER_RE, is_correct
@@ -90,6 +98,18 @@ def process_reward(traj: Trajectory) -> float:
 # The code task's reward (the fraction of hidden unit tests passed) lives with the task, in
 # tamer/tasks/code_check.py; it is registered here because that module cannot import this one.
 REWARDS.register("unit_tests")(unit_tests)
+# Learned rewards (a trained reward model, an LLM judge) live in tamer/learned_rewards/; they are
+# batch rewards, classes built once from their reward.params (see BatchReward below).
+REWARDS.register("reward_model")(RewardModelReward)
+REWARDS.register("judge")(JudgeReward)
+
+
+@runtime_checkable
+class BatchReward(Protocol):
+    """A reward scored a batch at a time (one model forward per batch, not per trajectory)."""
+
+    def score_batch(self, trajectories: list[Trajectory]) -> list[float | Exception]:
+        """One value per trajectory, in order; an Exception marks one the function could not score."""
 
 
 @dataclass(frozen=True)
@@ -130,9 +150,21 @@ class RewardComposer:
     def __init__(self, config: RewardConfig, extra: dict[str, RewardFn] | None = None) -> None:
         self.config = config
         extra = extra or {}
-        self.functions = {name: extra[name] if name in extra else REWARDS.get(name) for name in config.weights}
+        self.functions = {name: self._build(name, extra[name] if name in extra else REWARDS.get(name))
+                          for name in config.weights}
         self.total_errors = 0
         self.first_traceback: str | None = None
+
+    def _build(self, name: str, fn: Any) -> Any:
+        """A batch reward class is built once, with its `reward.params` as keyword arguments."""
+        if not isinstance(fn, type):
+            if isinstance(fn, BatchReward) and self.config.params.get(name):
+                raise ConfigError(f"reward.params.{name}: {name!r} was passed already built; it takes no params")
+            return fn
+        try:
+            return fn(**self.config.params.get(name, {}))
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"reward.params.{name}: {err}") from None
 
     def _call(self, name: str, traj: Trajectory) -> tuple[float, str | None]:
         try:
@@ -143,19 +175,46 @@ class RewardComposer:
             return self.config.default_on_error, f"reward function {name!r} returned NaN"
         return value, None
 
+    def _call_batch(self, name: str, trajs: list[Trajectory]) -> list[tuple[float, str | None]]:
+        try:
+            values = list(self.functions[name].score_batch(trajs))
+            if len(values) != len(trajs):
+                raise ValueError(f"score_batch returned {len(values)} values for {len(trajs)} trajectories")
+        except Exception:  # noqa: BLE001 - the whole batch is scored default, the run goes on
+            return [(self.config.default_on_error, traceback.format_exc())] * len(trajs)
+        return [self._checked(name, value) for value in values]
+
+    def _checked(self, name: str, value: Any) -> tuple[float, str | None]:
+        """One item of a batch: an Exception, a non-number or NaN is an error scored default."""
+        if isinstance(value, Exception):
+            return self.config.default_on_error, f"{type(value).__name__}: {value}"
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return self.config.default_on_error, f"reward function {name!r} returned {value!r}, not a number"
+        if math.isnan(value):
+            return self.config.default_on_error, f"reward function {name!r} returned NaN"
+        return value, None
+
+    def _column(self, name: str, trajs: list[Trajectory]) -> list[tuple[float, str | None]]:
+        if isinstance(self.functions[name], BatchReward):
+            return self._call_batch(name, trajs)
+        return [self._call(name, traj) for traj in trajs]
+
     def score(self, trajectories: list[Trajectory]) -> RewardStats:
         sums = {name: 0.0 for name in self.functions}
         errors = {name: 0 for name in self.functions}
         first_tb = None
         for traj in trajectories:
             traj.rewards = {}
-            for name in self.functions:
-                value, tb = self._call(name, traj)
+        for name in self.functions:
+            for traj, (value, tb) in zip(trajectories, self._column(name, trajectories)):
                 if tb is not None:
                     errors[name] += 1
                     first_tb = first_tb or f"reward function {name!r} failed:\n{tb}"
                 traj.rewards[name] = value
                 sums[name] += value
+        for traj in trajectories:
             traj.reward = sum(self.config.weights[n] * v for n, v in traj.rewards.items())
         self.total_errors += sum(errors.values())
         self.first_traceback = self.first_traceback or first_tb
