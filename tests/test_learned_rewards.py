@@ -1,6 +1,8 @@
 """Learned rewards: the reward_model reward (batched, normalised, cached, in GRPO and PPO steps), the
 LLM judge (parsing failures contained, cache per text), and the composer's batch interface."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -189,3 +191,51 @@ def test_local_hf_judge_from_config(tiny_model, tokenizer, tmp_path):
     trajs = [_traj("<answer>85</answer>"), _traj("<answer>1</answer>")]
     stats = composer.score(trajs)
     assert stats.errors["judge"] == 2 and [t.reward for t in trajs] == [1.0, 0.0]
+
+
+# ---------------------------------------------------------------------------- advise: agreement with preferences
+def _pairs_file(path, n=20):
+    import json
+
+    rows = [{"prompt": f"{a} kg + {a} kg", "chosen": f"<answer>{2 * a} kg</answer>", "rejected": f"<answer>{2 * a}</answer>"}
+            for a in range(1, n + 1)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_learned_reward_checks_measure_agreement_and_flag_a_useless_reward_model(tiny_model, tokenizer, tmp_path):
+    from tamer.advise import decide
+    from tamer.config import load_config
+    from tamer.learned_rewards.agreement import AGREEMENT_MIN, learned_reward_checks
+    from tamer.pipeline import RunConfig
+    from tests.test_advise import _measurements
+
+    rm, rm_tokenizer = reward_model_from(tiny_model, tokenizer)  # zero head: every pair is a tie
+    flat = save_model(rm, rm_tokenizer, tmp_path / "flat")
+    pairs = _pairs_file(tmp_path / "prefs.jsonl")
+    sets = [f"rm.data.path={pairs}", "rm.data.heldout_fraction=0.5", "reward.weights={reward_model: 1.0, format: 0.1}"]
+    cfg = load_config(RunConfig, None, sets + [f"reward.params={{reward_model: {{path: {flat}}}}}"])
+    [check] = learned_reward_checks(cfg, eos_token="<|im_end|>")
+    assert (check.name, check.pairs, check.errors) == ("reward_model", 10, 0)
+    assert check.accuracy == 0.0 and check.ties == 1.0 and check.too_low and check.ece is not None
+    advice = decide(_measurements(learned_rewards=[check]))
+    assert advice.verdict == "fix_reward" and "reward_model agrees with only 0.0% of 10" in advice.headline
+    assert "preferences     reward_model: agrees with 0.0%" in advice.text()
+    good = dataclasses.replace(check, accuracy=AGREEMENT_MIN + 0.1, ties=0.0, too_low=False)
+    assert decide(_measurements(learned_rewards=[good])).verdict == "grpo"
+    no_data = load_config(RunConfig, None, [sets[2], f"reward.params={{reward_model: {{path: {flat}}}}}"])
+    [missing] = learned_reward_checks(no_data)
+    assert not missing.too_low and "set rm.data.path" in missing.line()
+
+
+def test_agreement_of_a_judge_counts_its_failures(tokenizer):
+    from tamer.learned_rewards.agreement import preference_agreement
+    from tamer.tasks.preferences import PreferencePair
+
+    engine = _ScriptedEngine(tokenizer, {"12 kg": "Score: 9", "12<": "Score: 3", "13": "no idea"})
+    judge = JudgeReward(engine=engine, tokenizer=tokenizer)
+    msgs = ({"role": "user", "content": "5 kg + 7 kg"},)
+    pairs = [PreferencePair(msgs, "<answer>12 kg</answer>", "<answer>12</answer>"),
+             PreferencePair(msgs, "<answer>12 kg</answer>", "<answer>13</answer>")]
+    result = preference_agreement(judge, pairs, "judge", eos_token="<|im_end|>")
+    assert (result.pairs, result.errors, result.accuracy, result.ece) == (1, 1, 1.0, None)

@@ -74,7 +74,7 @@ def _agent_table(summary: dict) -> None:
 
 @app.command()
 def demo(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
-         env: str = typer.Option("arithmetic", "--env", "-e", help="Built-in task to demo: arithmetic, calculator, trip_planner."),
+         env: str = typer.Option("arithmetic", "--env", "-e", help="Built-in task to demo: arithmetic, calculator, trip_planner, preference (RLHF)."),
          seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt) -> None:
     """Build a tiny model, SFT it on the demonstrator, improve it with GRPO, compare on held-out tasks.
 
@@ -83,6 +83,10 @@ def demo(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
     """
     from tamer.pipeline import DEMO_PRESETS, run_demo
 
+    if env == "preference":  # RLHF: SFT -> reward model from preferences -> GRPO and PPO against it
+        from tamer.preference_demo import demo_preference
+        demo_preference(config, set_, seed, output_dir)
+        return
     if env not in DEMO_PRESETS:
         console.print(f"[bold red]error:[/] --env: unknown {env!r}; valid: {', '.join(DEMO_PRESETS)}", soft_wrap=True)
         raise typer.Exit(2)

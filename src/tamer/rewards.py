@@ -32,6 +32,7 @@ from tamer.registry import Registry
 from tamer.rollout.types import Trajectory
 from tamer.tasks.base import ANSWER_RE, is_correct
 from tamer.tasks.code_check import unit_tests
+from tamer.tasks.units import hidden_rule, number_correct
 
 RewardFn = Callable[..., float]
 REWARDS: Registry[RewardFn] = Registry("reward function")
@@ -98,6 +99,9 @@ def process_reward(traj: Trajectory) -> float:
 # The code task's reward (the fraction of hidden unit tests passed) lives with the task, in
 # tamer/tasks/code_check.py; it is registered here because that module cannot import this one.
 REWARDS.register("unit_tests")(unit_tests)
+# The units task's check (its number) and its hidden preference rule (number + unit), same reason.
+REWARDS.register("units_number")(number_correct)
+REWARDS.register("units_rule")(hidden_rule)
 # Learned rewards (a trained reward model, an LLM judge) live in tamer/learned_rewards/; they are
 # batch rewards, classes built once from their reward.params (see BatchReward below).
 REWARDS.register("reward_model")(RewardModelReward)

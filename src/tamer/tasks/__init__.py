@@ -10,6 +10,7 @@ from tamer.tasks.calculator import CalculatorConfig, CalculatorTasks
 from tamer.tasks.code import CodeConfig, CodeTasks
 from tamer.tasks.dataset import DatasetConfig, DatasetError, DatasetTasks
 from tamer.tasks.trip_planner import TripPlannerConfig, TripPlannerTasks
+from tamer.tasks.units import UnitsConfig, UnitsTasks
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class TaskConfig:
     code: CodeConfig = field(default_factory=CodeConfig)
     trip_planner: TripPlannerConfig = field(default_factory=TripPlannerConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    units: UnitsConfig = field(default_factory=UnitsConfig)  # the RLHF demo's task (hidden preference rule)
 
     def __post_init__(self) -> None:
         if self.name not in TASK_SOURCES:
@@ -37,7 +39,7 @@ def get_task_source(config: TaskConfig) -> TaskSource:
 
 __all__ = [
     "ArithmeticConfig", "ArithmeticTasks", "CalculatorConfig", "CalculatorTasks", "CodeConfig", "CodeTasks",
-    "TripPlannerConfig", "TripPlannerTasks", "DatasetConfig", "DatasetError", "DatasetTasks",
+    "TripPlannerConfig", "TripPlannerTasks", "UnitsConfig", "UnitsTasks", "DatasetConfig", "DatasetError", "DatasetTasks",
     "TASK_SOURCES", "Task", "TaskConfig", "TaskPool", "TaskSource", "extract_answer",
     "get_task_source", "is_correct",
 ]

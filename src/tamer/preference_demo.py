@@ -1,0 +1,271 @@
+"""`tamer demo --env preference`: the RLHF stage, and how optimising a learned reward goes wrong.
+
+    SFT on a demonstrator that rarely states the unit        (7 kg + 5 kg -> <answer>12</answer>)
+    preferences from a labeller with a hidden rule           (chosen: <answer>12 kg</answer>)
+    a Bradley–Terry reward model on those pairs, from the SFT model
+    RL against the reward model from the SFT model: GRPO, GRPO with a KL penalty, RLHF-PPO
+
+On held-out prompts, every `rl.eval_every` steps, each run records the hidden rule's
+satisfaction rate (the quality the labeller meant), the reward model's score (what RL
+optimises), the number's accuracy, how often any unit is stated, and KL(π || π_SFT) per
+reply (sampled, k1). The summary table and curves show where the reward keeps rising while
+the rule stops improving or falls: reward hacking, and what a KL penalty does to it.
+
+Settings: configs/demo-preference.yaml (a run config plus a `demo` section, below); a
+user's `--config` and `--set` are laid over it. Outputs under OUTPUT_DIR: sft/, rm/,
+preferences*.jsonl, one directory per RL variant, summary.json and rlhf.png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from tamer.config import ConfigError, from_dict, merge, parse_overrides, with_defaults
+from tamer.evaluate import evaluate
+from tamer.rewards import RewardComposer, RewardConfig
+from tamer.rollout.types import SamplingParams, Trajectory
+from tamer.tasks.units import follows_rule, states_a_unit
+from tamer.trainers.batch import collate
+from tamer.trainers.common import seed_everything, token_logprobs
+from tamer.trainers.critic import CriticConfig
+from tamer.trainers.rl import RLTrainer
+
+PRESET = Path(__file__).resolve().parents[2] / "configs" / "demo-preference.yaml"
+VARIANTS = ("grpo", "grpo_kl", "ppo")
+CURVE_KEYS = ("eval/rm_score", "eval/rule_rate", "eval/accuracy", "eval/unit_rate", "eval/kl_to_sft")
+
+
+@dataclass(frozen=True)
+class PreferenceDemoConfig:
+    """The demo's own settings: preference data size, which RL runs, their KL strengths."""
+
+    train_pairs: int = 2000  # labelled pairs on training prompts (reward-model training set)
+    heldout_pairs: int = 300  # pairs on held-out prompts (reward-model accuracy and calibration)
+    variants: tuple[str, ...] = VARIANTS  # grpo (β = 0) | grpo_kl (β = kl_coef) | ppo (critic, KL in the reward)
+    kl_coef: float = 0.1  # β of grpo_kl: k3 KL to the SFT model in the loss
+    ppo_kl_in_reward: float = 0.1  # β of ppo: −β·k1 per token in the reward (classic RLHF-PPO)
+    kl_samples: int = 100  # held-out prompts sampled (T = rl.temperature) for the KL estimate
+
+    def __post_init__(self) -> None:
+        for name in self.variants:
+            if name not in VARIANTS:
+                raise ValueError(f"demo.variants: unknown {name!r}; valid: {', '.join(VARIANTS)}")
+        if self.train_pairs < 1 or self.heldout_pairs < 1 or self.kl_samples < 1:
+            raise ValueError("demo.train_pairs, demo.heldout_pairs and demo.kl_samples must be >= 1")
+
+
+def load_demo_config(config_path: Path | None, overrides: list[str], preset: Path = PRESET):
+    """(RunConfig, PreferenceDemoConfig): the preset YAML < the user's YAML < `--set` overrides."""
+    from tamer.pipeline import RunConfig
+
+    layers = []
+    for path in (preset, config_path):
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        layers.append(yaml.safe_load(Path(path).read_text()) or {})
+    data: dict[str, Any] = {}
+    for layer in layers + [parse_overrides(overrides)]:
+        data = merge(data, layer)
+    demo = from_dict(PreferenceDemoConfig, data.pop("demo", {}), "demo")
+    return from_dict(RunConfig, with_defaults(RunConfig(), data)), demo
+
+
+# ---------------------------------------------------------------------------- evaluation
+class RLHFTrainer(RLTrainer):
+    """The RL trainer, with held-out metrics of the hidden rule, the RM score and KL to the SFT model."""
+
+    def __init__(self, *args, scorer, sft_model, kl_samples: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scorer, self.sft_model, self.kl_samples = scorer, sft_model, kl_samples
+
+    def evaluate(self) -> dict[str, float]:
+        self.engine.sync_weights(self.model)
+        report = evaluate(self.rollout, self.heldout, self.eval_config, self.stop_ids)
+        self.last_eval = {**report.metrics(), **quality(report.trajectories, self.scorer),
+                          "eval/kl_to_sft": self.kl_to_sft()}
+        return self.last_eval
+
+    @torch.no_grad()
+    def kl_to_sft(self) -> float:
+        """Mean over sampled replies of Σ_t log π(y_t) − log π_SFT(y_t): an unbiased KL(π || π_SFT) per reply."""
+        tasks = self.heldout[: self.kl_samples]
+        params = SamplingParams(n=1, temperature=self.config.temperature, max_new_tokens=self.config.max_new_tokens,
+                                stop_token_ids=self.stop_ids, seed=self.config.seed + 7919 * self.step)
+        trajs = self.rollout.run(tasks, params)
+        batch = collate(trajs, torch.zeros(len(trajs)), self.tokenizer.pad_token_id)
+        ref = token_logprobs(self.sft_model, batch.input_ids, batch.attention_mask, self.config.temperature)
+        return float(((batch.old_logprobs - ref) * batch.loss_mask).sum() / len(trajs))
+
+
+def quality(trajs: list[Trajectory], scorer) -> dict[str, float]:
+    """The hidden rule's rate, any-unit rate and mean reward-model score of held-out replies."""
+    n = len(trajs)
+    scores = scorer.score_pairs([t.task.messages for t in trajs], [t.text for t in trajs])
+    return {"eval/rule_rate": sum(follows_rule(t.text, t.task) for t in trajs) / n,
+            "eval/unit_rate": sum(states_a_unit(t.text) for t in trajs) / n,
+            "eval/rm_score": sum(scores) / n}
+
+
+# ---------------------------------------------------------------------------- the demo
+def variant_config(config, demo: PreferenceDemoConfig, name: str, rm_path: str):
+    """The run config of one RL variant: reward = the reward model (batch-normalised), its own KL."""
+    rl = config.rl
+    if name == "grpo":
+        rl = dataclasses.replace(rl, algorithm=dataclasses.replace(rl.algorithm, kl_coef=0.0))
+    elif name == "grpo_kl":
+        rl = dataclasses.replace(rl, algorithm=dataclasses.replace(rl.algorithm, kl_coef=demo.kl_coef))
+    else:
+        rl = dataclasses.replace(rl, algorithm=dataclasses.replace(rl.algorithm, advantage="gae", kl_coef=0.0),
+                                 critic=dataclasses.replace(rl.critic, kl_in_reward=demo.ppo_kl_in_reward))
+    reward = RewardConfig(weights={"reward_model": 1.0},
+                          params={"reward_model": {"path": rm_path, "normalize": "batch"}},
+                          default_on_error=config.reward.default_on_error)
+    return dataclasses.replace(config, rl=rl, reward=reward, output_dir=str(Path(config.output_dir) / name))
+
+
+def run_variant(config, sft_path: str, kl_samples: int) -> dict[str, Any]:
+    """RL from the saved SFT model against the reward model; returns the eval curve and final metrics."""
+    from tamer.models import load_model
+    from tamer.pipeline import tracker_for, write_json
+    from tamer.tasks import get_task_source
+
+    model, tokenizer = load_model(sft_path)
+    sft_model, _ = load_model(sft_path)
+    train, heldout = get_task_source(config.task).split()
+    seed_everything(config.rl.seed)
+    rewards = RewardComposer(config.reward)
+    start = time.perf_counter()
+    with tracker_for(config, "rl", config.rl.steps, Path(config.output_dir).name) as tracker:
+        trainer = RLHFTrainer(model, tokenizer, train, heldout, rewards, config.rl, config.eval,
+                              run_dir=Path(config.output_dir) / "rl", tracker=tracker, agent=config.agent,
+                              scorer=rewards.functions["reward_model"].scorer, sft_model=sft_model.eval(),
+                              kl_samples=kl_samples)
+        trainer.train()
+    from tamer.tracking import read_metrics
+
+    curve = [{"step": r["step"], **{k.split("/")[1]: r[k] for k in CURVE_KEYS if k in r}}
+             for r in read_metrics(Path(config.output_dir) / "rl" / "metrics.jsonl") if "eval/rule_rate" in r]
+    result = {"curve": curve, "final": curve[-1], "seconds": time.perf_counter() - start,
+              "reward_errors": rewards.total_errors}
+    write_json(Path(config.output_dir) / "summary.json", result)
+    return result
+
+
+def write_pairs(path: Path, pairs) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as fh:
+        for p in pairs:
+            fh.write(json.dumps({"prompt": p.messages[-1]["content"], "chosen": p.chosen, "rejected": p.rejected}) + "\n")
+    return path
+
+
+def run_preference_demo(config, demo: PreferenceDemoConfig) -> dict[str, Any]:
+    """SFT -> preferences -> reward model -> each RL variant; summary.json, rlhf.png."""
+    from tamer.pipeline import build_policy, run_sft, write_json
+    from tamer.rlhf import run_rm
+    from tamer.tasks import get_task_source
+
+    if config.task.name != "units":
+        raise ConfigError(f"task.name: the preference demo runs on the units task, got {config.task.name!r}")
+    start, out = time.perf_counter(), Path(config.output_dir)
+    model, tokenizer = build_policy(config.model, config.task)
+    source = get_task_source(config.task)
+    train, heldout = source.split()
+    sft = run_sft(config, model, tokenizer, source)
+    # The labeller's pairs go through the same files and loader a user's would.
+    data = dataclasses.replace(config.rm.data, path=str(write_pairs(out / "preferences.jsonl", source.preference_pairs(
+        train, demo.train_pairs, seed=config.rm.seed))), heldout_path=str(write_pairs(
+        out / "preferences-heldout.jsonl", source.preference_pairs(heldout, demo.heldout_pairs, seed=config.rm.seed + 1))))
+    rm = run_rm(dataclasses.replace(config, rm=dataclasses.replace(config.rm, data=data)), model, tokenizer)
+    runs = {name: run_variant(variant_config(config, demo, name, rm["model_path"]), sft["model_path"], demo.kl_samples)
+            for name in demo.variants}
+    summary = {"task": "units", "heldout_size": min(config.eval.size or len(heldout), len(heldout)),
+               "rm": {k: rm[k] for k in ("rm_accuracy", "rm_ece", "train_pairs", "heldout_pairs", "calibration")},
+               "sft": runs[demo.variants[0]]["curve"][0], "runs": runs, "seconds": time.perf_counter() - start,
+               "sft_seconds": sft["sft_seconds"], "rm_seconds": rm["rm_seconds"],
+               "demo": dataclasses.asdict(demo)}
+    summary["plot"] = str(plot_rlhf(runs, out / "rlhf.png"))
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+def plot_rlhf(runs: dict[str, dict], out_png: Path) -> Path:
+    """RM score, hidden-rule rate and KL against step per variant, and rule rate against RM score."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 6.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2).flatten()
+    panels = (("rm_score", "reward-model score"), ("rule_rate", "hidden rule satisfied"), ("kl_to_sft", "KL to SFT"))
+    for ax, (key, label) in zip(axes, panels):
+        for name, run in runs.items():
+            ax.plot([p["step"] for p in run["curve"]], [p[key] for p in run["curve"]], marker="o", markersize=3, label=name)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    for name, run in runs.items():
+        axes[3].plot([p["rm_score"] for p in run["curve"]], [p["rule_rate"] for p in run["curve"]], marker="o",
+                     markersize=3, label=name)
+    axes[3].set_xlabel("reward-model score (what RL optimises)")
+    axes[3].set_ylabel("hidden rule satisfied (what was meant)")
+    axes[3].grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("RLHF on the units task: held-out prompts, greedy replies")
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    return out_png
+
+
+# ---------------------------------------------------------------------------- command
+def print_summary(summary: dict[str, Any], console) -> None:
+    """The end-of-run table (SFT and each variant's final and best-rule points) and the curves."""
+    from rich.table import Table
+
+    columns = ("hidden rule", "RM score", "number right", "states a unit", "KL to SFT")
+    keys = ("rule_rate", "rm_score", "accuracy", "unit_rate", "kl_to_sft")
+    table = Table(title=f"units: {summary['heldout_size']} held-out prompts, greedy replies "
+                        f"(reward model: held-out pair accuracy {summary['rm']['rm_accuracy']:.3f}, "
+                        f"ECE {summary['rm']['rm_ece']:.3f})")
+    table.add_column("model")
+    for column in columns:
+        table.add_column(column, justify="right")
+    rows = [("SFT", summary["sft"])]
+    for name, run in summary["runs"].items():
+        best = max(run["curve"], key=lambda p: (p["rule_rate"], -p["step"]))
+        rows += [(f"{name} (step {run['final']['step']})", run["final"]),
+                 (f"{name} best rule (step {best['step']})", best)]
+    for name, point in rows:
+        table.add_row(name, *(f"{point[k]:.3f}" for k in keys))
+    console.print(table)
+    for name, run in summary["runs"].items():
+        curve = ", ".join(f"{p['step']}: {p['rm_score']:+.2f}/{p['rule_rate']:.2f}/{p['kl_to_sft']:.1f}"
+                          for p in run["curve"])
+        console.print(f"{name} curve (step: RM score/rule rate/KL): {curve}", soft_wrap=True)
+    console.print(f"total {summary['seconds']:.0f} s (SFT {summary['sft_seconds']:.0f} s, reward model "
+                  f"{summary['rm_seconds']:.0f} s); plot: {summary['plot']}")
+
+
+def demo_preference(config: Path | None, overrides: list[str] | None, seed: int | None, output_dir: str | None) -> dict:
+    """`tamer demo --env preference`: load the preset and the user's layers, run, print the table."""
+    from tamer.cli import _guard, console
+    from tamer.pipeline import with_seed
+
+    items = list(overrides or []) + [f"output_dir={output_dir}"] * bool(output_dir)
+    cfg, demo = _guard(lambda: load_demo_config(config, items))
+    if seed is not None:
+        cfg = with_seed(cfg, seed)
+        cfg = dataclasses.replace(cfg, rm=dataclasses.replace(cfg.rm, seed=seed))
+    summary = _guard(lambda: run_preference_demo(cfg, demo))
+    print_summary(summary, console)
+    return summary
