@@ -30,6 +30,7 @@ import yaml
 
 from tamer.config import ConfigError, from_dict, merge, parse_overrides, with_defaults
 from tamer.evaluate import evaluate
+from tamer.learned_rewards import RewardModelScorer
 from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rollout.types import SamplingParams, Trajectory
 from tamer.tasks.units import follows_rule, states_a_unit
@@ -40,6 +41,7 @@ from tamer.trainers.rl import RLTrainer
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "demo-preference.yaml"
 VARIANTS = ("grpo", "grpo_kl", "ppo")
+EXAMPLES = 6  # held-out replies kept from the last evaluation
 CURVE_KEYS = ("eval/rm_score", "eval/rule_rate", "eval/accuracy", "eval/unit_rate", "eval/kl_to_sft")
 
 
@@ -93,6 +95,7 @@ class RLHFTrainer(RLTrainer):
         report = evaluate(self.rollout, self.heldout, self.eval_config, self.stop_ids)
         self.last_eval = {**report.metrics(), **quality(report.trajectories, self.scorer),
                           "eval/kl_to_sft": self.kl_to_sft()}
+        self.examples = {t.task.messages[-1]["content"]: t.text for t in report.trajectories[:EXAMPLES]}
         return self.last_eval
 
     @torch.no_grad()
@@ -127,17 +130,21 @@ def variant_config(config, demo: PreferenceDemoConfig, name: str, rm_path: str):
     else:
         rl = dataclasses.replace(rl, algorithm=dataclasses.replace(rl.algorithm, advantage="gae", kl_coef=0.0),
                                  critic=dataclasses.replace(rl.critic, kl_in_reward=demo.ppo_kl_in_reward))
+    # GRPO's group normalisation makes any affine rescaling of the reward irrelevant, so its runs log
+    # raw reward-model scores; PPO's value targets and its KL-in-reward β need a fixed scale.
+    normalize = "batch" if name == "ppo" else "none"
     reward = RewardConfig(weights={"reward_model": 1.0},
-                          params={"reward_model": {"path": rm_path, "normalize": "batch"}},
+                          params={"reward_model": {"path": rm_path, "normalize": normalize}},
                           default_on_error=config.reward.default_on_error)
     return dataclasses.replace(config, rl=rl, reward=reward, output_dir=str(Path(config.output_dir) / name))
 
 
 def run_variant(config, sft_path: str, kl_samples: int) -> dict[str, Any]:
     """RL from the saved SFT model against the reward model; returns the eval curve and final metrics."""
-    from tamer.models import load_model
+    from tamer.models import load_model, save_model
     from tamer.pipeline import tracker_for, write_json
     from tamer.tasks import get_task_source
+    from tamer.tracking import read_metrics
 
     model, tokenizer = load_model(sft_path)
     sft_model, _ = load_model(sft_path)
@@ -151,12 +158,11 @@ def run_variant(config, sft_path: str, kl_samples: int) -> dict[str, Any]:
                               scorer=rewards.functions["reward_model"].scorer, sft_model=sft_model.eval(),
                               kl_samples=kl_samples)
         trainer.train()
-    from tamer.tracking import read_metrics
-
+    save_model(model, tokenizer, Path(config.output_dir) / "rl" / "model")
     curve = [{"step": r["step"], **{k.split("/")[1]: r[k] for k in CURVE_KEYS if k in r}}
              for r in read_metrics(Path(config.output_dir) / "rl" / "metrics.jsonl") if "eval/rule_rate" in r]
-    result = {"curve": curve, "final": curve[-1], "seconds": time.perf_counter() - start,
-              "reward_errors": rewards.total_errors}
+    result = {"curve": curve, "final": curve[-1], "examples": trainer.examples, "seconds": time.perf_counter() - start,
+              "reward_errors": rewards.total_errors, "model_path": str(Path(config.output_dir) / "rl" / "model")}
     write_json(Path(config.output_dir) / "summary.json", result)
     return result
 
@@ -167,6 +173,15 @@ def write_pairs(path: Path, pairs) -> Path:
         for p in pairs:
             fh.write(json.dumps({"prompt": p.messages[-1]["content"], "chosen": p.chosen, "rejected": p.rejected}) + "\n")
     return path
+
+
+def rm_probe(scorer, task, units: tuple[str, ...]) -> dict[str, float]:
+    """What the reward model learned, on one held-out prompt: its score of replies that vary the number and unit."""
+    n, unit = int(task.answer), task.meta["unit"]
+    other = next(u for u in units + ("kg", "m") if u != unit)
+    replies = [f"{n} {unit}", f"{n + 1} {unit}", f"{n - 1} {unit}", f"{n + 5} {unit}", f"{n} {other}", f"{n}", unit]
+    scores = scorer.score_pairs([task.messages] * len(replies), [f"<answer>{r}</answer>" for r in replies])
+    return {"prompt": task.messages[-1]["content"], **{r: round(x, 3) for r, x in zip(replies, scores)}}
 
 
 def run_preference_demo(config, demo: PreferenceDemoConfig) -> dict[str, Any]:
@@ -187,10 +202,12 @@ def run_preference_demo(config, demo: PreferenceDemoConfig) -> dict[str, Any]:
         train, demo.train_pairs, seed=config.rm.seed))), heldout_path=str(write_pairs(
         out / "preferences-heldout.jsonl", source.preference_pairs(heldout, demo.heldout_pairs, seed=config.rm.seed + 1))))
     rm = run_rm(dataclasses.replace(config, rm=dataclasses.replace(config.rm, data=data)), model, tokenizer)
+    probe = rm_probe(RewardModelScorer.load(rm["model_path"]), heldout[0], config.task.units.units)
     runs = {name: run_variant(variant_config(config, demo, name, rm["model_path"]), sft["model_path"], demo.kl_samples)
             for name in demo.variants}
     summary = {"task": "units", "heldout_size": min(config.eval.size or len(heldout), len(heldout)),
-               "rm": {k: rm[k] for k in ("rm_accuracy", "rm_ece", "train_pairs", "heldout_pairs", "calibration")},
+               "rm": {**{k: rm[k] for k in ("rm_accuracy", "rm_ece", "train_pairs", "heldout_pairs", "calibration")},
+                      "probe": probe},
                "sft": runs[demo.variants[0]]["curve"][0], "runs": runs, "seconds": time.perf_counter() - start,
                "sft_seconds": sft["sft_seconds"], "rm_seconds": rm["rm_seconds"],
                "demo": dataclasses.asdict(demo)}
@@ -200,7 +217,7 @@ def run_preference_demo(config, demo: PreferenceDemoConfig) -> dict[str, Any]:
 
 
 def plot_rlhf(runs: dict[str, dict], out_png: Path) -> Path:
-    """RM score, hidden-rule rate and KL against step per variant, and rule rate against RM score."""
+    """RM score, hidden-rule rate and KL against step per variant, and rule rate against KL."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -215,10 +232,10 @@ def plot_rlhf(runs: dict[str, dict], out_png: Path) -> Path:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     for name, run in runs.items():
-        axes[3].plot([p["rm_score"] for p in run["curve"]], [p["rule_rate"] for p in run["curve"]], marker="o",
+        axes[3].plot([p["kl_to_sft"] for p in run["curve"]], [p["rule_rate"] for p in run["curve"]], marker="o",
                      markersize=3, label=name)
-    axes[3].set_xlabel("reward-model score (what RL optimises)")
-    axes[3].set_ylabel("hidden rule satisfied (what was meant)")
+    axes[3].set_xlabel("KL(policy || SFT) per reply")
+    axes[3].set_ylabel("hidden rule satisfied")
     axes[3].grid(alpha=0.3)
     axes[0].legend()
     fig.suptitle("RLHF on the units task: held-out prompts, greedy replies")
@@ -229,29 +246,30 @@ def plot_rlhf(runs: dict[str, dict], out_png: Path) -> Path:
 
 # ---------------------------------------------------------------------------- command
 def print_summary(summary: dict[str, Any], console) -> None:
-    """The end-of-run table (SFT and each variant's final and best-rule points) and the curves."""
+    """The end-of-run table (SFT, each variant's last and best-rule points), what the RM learned, the curves."""
     from rich.table import Table
 
-    columns = ("hidden rule", "RM score", "number right", "states a unit", "KL to SFT")
+    rm = summary["rm"]
     keys = ("rule_rate", "rm_score", "accuracy", "unit_rate", "kl_to_sft")
-    table = Table(title=f"units: {summary['heldout_size']} held-out prompts, greedy replies "
-                        f"(reward model: held-out pair accuracy {summary['rm']['rm_accuracy']:.3f}, "
-                        f"ECE {summary['rm']['rm_ece']:.3f})")
-    table.add_column("model")
-    for column in columns:
-        table.add_column(column, justify="right")
+    table = Table(title=f"units: {summary['heldout_size']} held-out prompts, greedy replies")
+    for column in ("model", "step", "hidden rule", "RM score", "number right", "any unit", "KL to SFT"):
+        table.add_column(column, justify="left" if column == "model" else "right")
     rows = [("SFT", summary["sft"])]
     for name, run in summary["runs"].items():
         best = max(run["curve"], key=lambda p: (p["rule_rate"], -p["step"]))
-        rows += [(f"{name} (step {run['final']['step']})", run["final"]),
-                 (f"{name} best rule (step {best['step']})", best)]
+        rows += [(name, run["final"])] + ([(f"{name}, best rule", best)] if best is not run["final"] else [])
     for name, point in rows:
-        table.add_row(name, *(f"{point[k]:.3f}" for k in keys))
+        table.add_row(name, str(point["step"]), *(f"{point[k]:.3f}" for k in keys))
     console.print(table)
+    console.print(f"reward model: held-out pair accuracy {rm['rm_accuracy']:.3f}, ECE {rm['rm_ece']:.3f}; its scores "
+                  f"for {rm['probe']['prompt']!r}: " + ", ".join(f"{k} {v:+.2f}" for k, v in rm["probe"].items()
+                                                                  if k != "prompt"), soft_wrap=True)
     for name, run in summary["runs"].items():
         curve = ", ".join(f"{p['step']}: {p['rm_score']:+.2f}/{p['rule_rate']:.2f}/{p['kl_to_sft']:.1f}"
                           for p in run["curve"])
         console.print(f"{name} curve (step: RM score/rule rate/KL): {curve}", soft_wrap=True)
+        examples = "; ".join(f"{k} -> {v.replace('<|im_end|>', '')}" for k, v in list(run["examples"].items())[:4])
+        console.print(f"{name} replies at step {run['final']['step']}: {examples}", soft_wrap=True)
     console.print(f"total {summary['seconds']:.0f} s (SFT {summary['sft_seconds']:.0f} s, reward model "
                   f"{summary['rm_seconds']:.0f} s); plot: {summary['plot']}")
 
