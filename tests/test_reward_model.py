@@ -188,3 +188,21 @@ def test_rm_config_section_checks_fields():
     assert cfg.rm.steps == 5 and cfg.rm.data.path == "x.jsonl"
     with pytest.raises(ValueError, match="rm.batch_size"):
         load_config(RunConfig, None, ["rm.batch_size=0"])
+
+
+def test_pairs_from_hf_datasets_directory_and_saved_dataset(tmp_path):
+    import datasets
+
+    folder = tmp_path / "hub_like"
+    folder.mkdir()
+    _write(folder / "train.jsonl", [GOOD] * 6)
+    _write(folder / "test.jsonl", [{**GOOD, "chosen": "<answer>7 kg!</answer>"}] * 3)
+    train, held = load_preference_pairs(PreferenceDataConfig(hf_dataset=str(folder), hf_heldout_split="test"))
+    assert (len(train), len(held)) == (6, 3) and held[0].chosen == "<answer>7 kg!</answer>"
+    assert train[0].source == f"{folder}, row 1"
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([GOOD] * 4 + [{**GOOD, "rejected": ""}])}).save_to_disk(saved)
+    with pytest.raises(DatasetError, match=f"{saved}, row 5: missing or empty column 'rejected'"):
+        load_preference_pairs(PreferenceDataConfig(hf_dataset=str(saved)))
+    with pytest.raises(DatasetError, match="could not be loaded"):
+        load_preference_pairs(PreferenceDataConfig(hf_dataset=str(tmp_path / "nothing-here")))

@@ -90,8 +90,13 @@ def _hf_rows(config: PreferenceDataConfig, split: str) -> list[dict]:
     import datasets  # slow to import; only this loader needs it
 
     datasets.disable_progress_bars()
+    saved = Path(config.hf_dataset)
     try:
-        ds = datasets.load_dataset(config.hf_dataset, config.hf_config or None, split=split)
+        if (saved / "state.json").is_file() or (saved / "dataset_dict.json").is_file():  # save_to_disk output
+            ds = datasets.load_from_disk(str(saved))
+            ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+        else:  # a hub name, or a local directory of data files
+            ds = datasets.load_dataset(config.hf_dataset, config.hf_config or None, split=split)
     except Exception as err:  # noqa: BLE001 - re-raised with the dataset named
         raise DatasetError(f"{config.hf_dataset} (split {split!r}): could not be loaded: {err}") from None
     return ds.to_list()
