@@ -30,7 +30,7 @@ import yaml
 
 from tamer.config import ConfigError, from_dict, merge, parse_overrides, with_defaults
 from tamer.evaluate import evaluate
-from tamer.learned_rewards import RewardModelScorer
+from tamer.learned_rewards import RewardModelScorer, preference_text
 from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rollout.types import SamplingParams, Trajectory
 from tamer.tasks.units import follows_rule, states_a_unit
@@ -113,7 +113,9 @@ class RLHFTrainer(RLTrainer):
 def quality(trajs: list[Trajectory], scorer) -> dict[str, float]:
     """The hidden rule's rate, any-unit rate and mean reward-model score of held-out replies."""
     n = len(trajs)
-    scores = scorer.score_pairs([t.task.messages for t in trajs], [t.text for t in trajs])
+    # Laid out as the `reward_model` reward lays out a rollout: the completion exactly as sampled.
+    scores = scorer.score_texts([preference_text(scorer.tokenizer, t.task.messages, t.text, add_eos=False)
+                                 for t in trajs])
     return {"eval/rule_rate": sum(follows_rule(t.text, t.task) for t in trajs) / n,
             "eval/unit_rate": sum(states_a_unit(t.text) for t in trajs) / n,
             "eval/rm_score": sum(scores) / n}
@@ -121,7 +123,7 @@ def quality(trajs: list[Trajectory], scorer) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------- the demo
 def variant_config(config, demo: PreferenceDemoConfig, name: str, rm_path: str):
-    """The run config of one RL variant: reward = the reward model (batch-normalised), its own KL."""
+    """The run config of one RL variant: the reward model as the only reward, and the variant's KL."""
     rl = config.rl
     if name == "grpo":
         rl = dataclasses.replace(rl, algorithm=dataclasses.replace(rl.algorithm, kl_coef=0.0))
