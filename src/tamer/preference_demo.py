@@ -253,13 +253,14 @@ def print_summary(summary: dict[str, Any], console) -> None:
 
     rm = summary["rm"]
     keys = ("rule_rate", "rm_score", "accuracy", "unit_rate", "kl_to_sft")
-    table = Table(title=f"units: {summary['heldout_size']} held-out prompts, greedy replies")
-    for column in ("model", "step", "hidden rule", "RM score", "number right", "any unit", "KL to SFT"):
+    table = Table(title=f"units: {summary['heldout_size']} held-out prompts, greedy replies "
+                        "(rule: number and unit right; number: number right; unit: any unit stated)")
+    for column in ("model", "step", "rule", "RM score", "number", "unit", "KL"):
         table.add_column(column, justify="left" if column == "model" else "right")
     rows = [("SFT", summary["sft"])]
     for name, run in summary["runs"].items():
         best = max(run["curve"], key=lambda p: (p["rule_rate"], -p["step"]))
-        rows += [(name, run["final"])] + ([(f"{name}, best rule", best)] if best is not run["final"] else [])
+        rows += [(name, run["final"])] + ([(f"{name} best", best)] if best is not run["final"] else [])
     for name, point in rows:
         table.add_row(name, str(point["step"]), *(f"{point[k]:.3f}" for k in keys))
     console.print(table)
