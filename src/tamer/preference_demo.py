@@ -235,7 +235,7 @@ def plot_rlhf(runs: dict[str, dict], out_png: Path) -> Path:
         ax.grid(alpha=0.3)
     for name, run in runs.items():
         axes[3].plot([p["kl_to_sft"] for p in run["curve"]], [p["rule_rate"] for p in run["curve"]], marker="o",
-                     markersize=3, label=name)
+                     markersize=4, linestyle="none", label=name)  # KL is not monotone in steps: points, no lines
     axes[3].set_xlabel("KL(policy || SFT) per reply")
     axes[3].set_ylabel("hidden rule satisfied")
     axes[3].grid(alpha=0.3)
