@@ -27,8 +27,10 @@ from tamer.trainers.common import seed_everything
 from tamer.trainers.reward_model import RewardModelTrainer, load_reward_base, reward_model_from
 
 
-def run_rm(config, model=None, tokenizer=None, pairs: tuple[list[PreferencePair], list[PreferencePair]] | None = None,
-           ) -> dict[str, Any]:
+Pairs = tuple[list[PreferencePair], list[PreferencePair]]  # (train, held-out)
+
+
+def run_rm(config, model=None, tokenizer=None, pairs: Pairs | None = None) -> dict[str, Any]:
     """Train a reward model per `config.rm`; saves OUTPUT_DIR/rm/model and OUTPUT_DIR/rm/summary.json.
 
     `model`/`tokenizer` (a causal LM in memory) and `pairs` (train, held-out) override
