@@ -208,7 +208,15 @@ def test_learned_reward_checks_measure_agreement_and_flag_a_useless_reward_model
     from tamer.config import load_config
     from tamer.learned_rewards.agreement import AGREEMENT_MIN, learned_reward_checks
     from tamer.pipeline import RunConfig
-    from tests.test_advise import _measurements
+    from tamer.advise import Measurements, RewardHealth, StepCost
+
+    def _measurements(**changes):
+        base = dict(task="t", model="m", parameters=10, train_tasks=1000, heldout_tasks=100, eval_tasks=32,
+                    samples_per_task=8, k=8, greedy_accuracy=0.3, pass_at_1=0.3, pass_at_k=0.8, spread_prompts=16,
+                    group_size=8, zero_spread_fraction=0.2, reward_mean=0.3,
+                    rewards=[RewardHealth("reward_model", 1.0, 128, 0, [0.1, 0.7], [0.2, 0.9], False)],
+                    steps={"grpo": StepCost("grpo", 1.0, 1000.0, 300.0, 1, 10)})
+        return Measurements(**{**base, **changes})
 
     rm, rm_tokenizer = reward_model_from(tiny_model, tokenizer)  # zero head: every pair is a tie
     flat = save_model(rm, rm_tokenizer, tmp_path / "flat")
