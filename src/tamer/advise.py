@@ -16,6 +16,8 @@ What it measures, without training the model:
   *and* for probe replies (the reference answer, a wrong answer, an empty reply) — a
   function that cannot tell those apart is constant; one that is constant only on the
   model's samples is a model that never succeeds, which the pass@k rule catches;
+- learned rewards (a reward model, a judge): the fraction of held-out preference pairs
+  (the run's `rm.data`) whose chosen reply they score above the rejected one;
 - cost of one RL step for GRPO and PPO: `measure_steps` steps of each, each method in its
   own process (as `tamer compare` does): seconds per step and peak resident memory.
 
@@ -25,7 +27,8 @@ use (`evaluate_model`, `make_trainer`): the same agent settings, rewards and sam
 The decision guide: rules in priority order; the first that fires is the verdict, and
 every rule is reported with the numbers it was decided on.
 
-1. fix the reward  a reward function raised, or is constant (see above)
+1. fix the reward  a reward function raised, or is constant (see above), or a learned reward
+                   agrees with fewer than AGREEMENT_MIN of held-out preferences
 2. RL not needed   pass@1 (sampled, or greedy accuracy if higher) >= PASS1_ENOUGH: the
                    model already succeeds; prompting or few-shot examples may be all it needs
 3. SFT first       pass@k < PASSK_MIN: k tries almost never succeed, so groups have no
@@ -54,6 +57,7 @@ import torch
 
 from tamer.algorithms import zero_spread_groups
 from tamer.compare import METHODS
+from tamer.learned_rewards.agreement import learned_reward_checks
 from tamer.config import FieldError
 from tamer.models import count_parameters
 from tamer.phases import run_in_child
@@ -144,6 +148,7 @@ class Measurements:
     reward_mean: float
     rewards: list[RewardHealth]
     steps: dict[str, StepCost] = field(default_factory=dict)  # "grpo", "ppo"; empty if not measured
+    learned_rewards: list = field(default_factory=list)  # PreferenceAgreement per learned reward (reward model, judge)
     steps_skipped: str = ""  # why steps were not measured
     seconds: float = 0.0
 
@@ -197,6 +202,8 @@ def _measurement_lines(m: Measurements) -> list[str]:
     for i, r in enumerate(m.rewards):
         label = "rewards" if i == 0 else ""
         lines.append(f"  {label:<16}{_health_line(r)}")
+    for i, a in enumerate(m.learned_rewards):
+        lines.append(f"  {'preferences' if i == 0 else '':<16}{a.line()}")
     if m.steps:
         for i, (method, s) in enumerate(m.steps.items()):
             label = "RL step" if i == 0 else ""
@@ -237,6 +244,7 @@ def _reward_rule(m: Measurements) -> Rule:
     constant = [r for r in m.rewards if r.constant]
     parts = [f"{r.name} raised {r.errors} times in {r.calls} calls" for r in broken]
     parts += [f"{r.name} returned {r.sample_values[0]:g} for every sample and probe" for r in constant]
+    parts += [a.problem() for a in m.learned_rewards if a.too_low]
     fired = bool(parts)
     detail = "; ".join(parts) if fired else (f"no errors in {m.rewards[0].calls if m.rewards else 0} calls per function; "
                                              "every function tells the probes apart")
@@ -318,6 +326,7 @@ def measure(config: RunConfig, advise: AdviseConfig) -> Measurements:
     seed_everything(config.rl.seed)
     success = _success(model, tokenizer, heldout, config, advise)
     spread, mean_reward, health = _spread_and_health(model, tokenizer, source, config, advise)
+    learned = learned_reward_checks(config, tokenizer.eos_token or "")  # agreement with held-out preferences
     del model  # the step measurements run in their own processes
     steps = measure_steps(config, advise.measure_steps) if advise.measure_steps else {}
     return Measurements(
@@ -325,7 +334,7 @@ def measure(config: RunConfig, advise: AdviseConfig) -> Measurements:
         train_tasks=len(train), heldout_tasks=len(heldout), **success, spread_prompts=advise.spread_prompts,
         group_size=advise.group_size or config.rl.group_size, zero_spread_fraction=spread, reward_mean=mean_reward,
         rewards=health, steps=steps, steps_skipped="" if advise.measure_steps else "--no-step-measure",
-        seconds=time.perf_counter() - start)
+        seconds=time.perf_counter() - start, learned_rewards=learned)
 
 
 def _success(model, tokenizer, heldout, config: RunConfig, advise: AdviseConfig) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
     tamer demo [--env calculator]        tiny model -> SFT -> GRPO -> held-out table
     tamer sft | train | eval             one phase of a run
+    tamer rm                             a Bradley–Terry reward model from preference pairs
     tamer compare | advise               GRPO vs PPO side by side; does my agent need RL, and which
     tamer view RUN_DIR                   a self-contained HTML page of a run's rollouts and curves
     tamer config show | list             the resolved config with each field's help; the presets
@@ -32,8 +33,11 @@ from tamer.config import ConfigError, describe, from_dict, load_config
 from tamer.errors import RunError
 from tamer.phases import PhaseError
 from tamer.pipeline import RunConfig, run_demo, run_eval, run_rl, run_sft, seed_overrides, write_json
+from tamer.preference_demo import print_summary as print_preference_summary
+from tamer.preference_demo import run_preference_demo
 from tamer.presets import config_file, describe_preset, preset_names, preset_path
 from tamer.progress import ProgressView
+from tamer.rlhf import calibration_table, run_rm
 from tamer.stopping import TrainingStopped
 from tamer.tasks.dataset import DatasetError
 from tamer.tools.sandbox import NETWORK_MODES, SandboxConfig, SandboxError, run_file, run_python
@@ -116,7 +120,7 @@ def _fmt(value: Any) -> str:
 @app.command()
 def demo(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
          env: str = typer.Option("arithmetic", "--env", "-e", help="Built-in task to demo (preset demo-ENV): "
-                                 "arithmetic, calculator, trip_planner."),
+                                 "arithmetic, calculator, trip_planner, preference (RLHF)."),
          imports: Optional[list[str]] = ImportOpt, seed: Optional[int] = SeedOpt,
          output_dir: Optional[str] = OutOpt,
          resume: bool = typer.Option(False, "--resume", help="Continue a stopped demo: finished phases are reused, "
@@ -130,6 +134,9 @@ def demo(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = Se
         demos = [n.removeprefix("demo-") for n in preset_names() if n.startswith("demo-")]
         _fail(f"--env: unknown {env!r}; valid: {', '.join(demos)}", 2)
     cfg = _guard(lambda: load_run_config(config, set_, imports, seed=seed, output_dir=output_dir, preset=f"demo-{env}"))
+    if env == "preference":  # RLHF: SFT -> reward model from preferences -> GRPO and PPO against it
+        print_preference_summary(_guard(lambda: run_preference_demo(cfg)), console)
+        return
     summary = _guard(lambda: run_demo(cfg, resume=resume))
     if "demonstrator" in summary:
         keys = ("success_rate", "mean_tool_calls", "mean_cost_ratio", "error_rate")
@@ -199,6 +206,30 @@ def eval_(model: str = typer.Option(..., "--model", "-m", help="Local Hugging Fa
     print_episodes(console, result.pop("episodes", []))
     rows = [[key, f"{value:.4g}" if isinstance(value, float) else str(value)] for key, value in result.items()]
     _table(f"{cfg.task.name}: {result['num_tasks']} held-out tasks", ["metric", "value"], rows)
+
+
+@app.command()
+def rm(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
+       data: Optional[str] = typer.Option(None, "--data", "-d", help="Preference file, .jsonl/.json/.parquet "
+                                          "(sets rm.data.path)."),
+       model: Optional[str] = typer.Option(None, "--model", "-m", help="Local HF model to start from, usually the "
+                                           "SFT model (sets rm.base_model)."),
+       imports: Optional[list[str]] = ImportOpt,
+       seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init and data order (sets rm.seed)."),
+       output_dir: Optional[str] = OutOpt) -> None:
+    """Train a Bradley–Terry reward model on preference pairs (prompt, chosen, rejected[, margin]).
+
+    Saves OUTPUT_DIR/rm/model (a Hugging Face sequence-classification model with its tokenizer) and
+    prints held-out pairwise accuracy and calibration. Use it as a reward with
+    reward.weights={reward_model: 1.0} and reward.params={reward_model: {path: OUTPUT_DIR/rm/model}}.
+    """
+    extra = [f"rm.data.path={data}"] * bool(data) + [f"rm.base_model={model}"] * bool(model)
+    extra += [f"rm.seed={seed}"] * (seed is not None)
+    cfg = _guard(lambda: load_run_config(config, [*(set_ or []), *extra], imports, output_dir=output_dir))
+    result = _guard(lambda: run_rm(cfg))
+    console.print(calibration_table(result["calibration_report"], f"reward model: {result['heldout_pairs']} held-out pairs"))
+    console.print(f"held-out pairwise accuracy {result['rm_accuracy']:.3f}, ECE {result['rm_ece']:.3f}; "
+                  f"{result['rm_seconds']:.0f} s; model saved to {result['model_path']}")
 
 
 @app.command()

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tamer.config import to_dict
 from tamer.evaluate import EvalConfig, EvalReport, agent_metrics, demonstrator_accuracy, evaluate
 from tamer.jobguard import guarded_job, summary_on_stop
+from tamer.preference_config import PreferenceDemoConfig
 from tamer.models import (
     DTYPES, ModelConfig, build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, count_parameters, load_model,
     save_model, stop_token_ids,
@@ -39,6 +40,7 @@ from tamer.tasks.base import Task, TaskSource
 from tamer.tracking import Tracker, TrackingConfig, plot_metrics, read_baselines, summary_baselines
 from tamer.tracking_backends import open_sinks
 from tamer.trainers.common import OptimConfig, seed_everything
+from tamer.trainers.reward_model import RewardModelConfig
 from tamer.trainers.rl import RLConfig, RLTrainer
 from tamer.trainers.sft import SFTConfig, SFTTrainer, demonstration_texts, demonstrations
 from tamer.transcripts import episode_records
@@ -60,6 +62,8 @@ class RunConfig:
         eval_every=10))  # the RL loop
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation
     agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn budgets for environment tasks
+    rm: RewardModelConfig = field(default_factory=RewardModelConfig)  # `tamer rm`: reward model from preferences
+    preference: PreferenceDemoConfig = field(default_factory=PreferenceDemoConfig)  # `tamer demo --env preference`
     tracking: TrackingConfig = field(default_factory=TrackingConfig)  # console and TensorBoard
 
 

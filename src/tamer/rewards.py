@@ -14,16 +14,23 @@ Your own function: register it, then name it in `weights` (from the CLI: put the
 
     @REWARDS.register("mine")
     def mine(traj: Trajectory) -> float: ...
+
+Batch rewards (a learned reward model, an LLM judge) score a whole scoring pass at once:
+they register a class whose constructor takes the function's `reward.params` and whose
+instances have `score_batch(trajectories) -> list[float | Exception]` (see `BatchReward`).
+The composer builds each once and calls `score_batch` once per pass; an Exception item is
+that trajectory's error, counted and scored `default_on_error` like a raising function.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
-from tamer.config import FieldError, check_name
+from tamer.config import ConfigError, FieldError, check_name
 from tamer.registry import Registry
 from tamer.rollout.types import Trajectory
 from tamer.tasks.base import ANSWER_RE, is_correct
@@ -90,9 +97,25 @@ def process_reward(traj: Trajectory) -> float:
     return sum(t.env_reward for t in traj.turns)
 
 
-# The code task's reward (the fraction of hidden unit tests passed) lives with the task, which
-# needs the sandbox: registered by name here, imported on first use.
-REWARDS.register_lazy("unit_tests", "tamer.tasks.code_check:unit_tests")
+# Rewards whose modules are costly or sit with their task: registered by name here, imported on
+# first use. The code task's (the fraction of hidden unit tests passed) needs the sandbox; the
+# units task's check (its number) and its hidden preference rule (number + unit); the learned
+# rewards (a trained reward model, an LLM judge) are batch rewards, classes built once from their
+# reward.params (see BatchReward below).
+for _name, _target in {"unit_tests": "tamer.tasks.code_check:unit_tests",
+                       "units_number": "tamer.tasks.units:number_correct",
+                       "units_rule": "tamer.tasks.units:hidden_rule",
+                       "reward_model": "tamer.learned_rewards.reward_model:RewardModelReward",
+                       "judge": "tamer.learned_rewards.judge:JudgeReward"}.items():
+    REWARDS.register_lazy(_name, _target)
+
+
+@runtime_checkable
+class BatchReward(Protocol):
+    """A reward scored a batch at a time (one model forward per batch, not per trajectory)."""
+
+    def score_batch(self, trajectories: list[Trajectory]) -> list[float | Exception]:
+        """One value per trajectory, in order; an Exception marks one the function could not score."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +134,16 @@ class RewardConfig:
         for name in self.params:
             if name not in self.weights:
                 raise FieldError(f"params.{name}", "no such function in reward.weights")
+        for name in self.weights:  # keyword arguments each function (or batch reward class) accepts
+            fn = REWARDS.get(name)
+            if not isinstance(fn, type) and hasattr(fn, "score_batch"):  # registered already built
+                if self.params.get(name):
+                    raise FieldError(f"params.{name}", f"{name!r} was registered already built; it takes no params")
+                continue
+            try:
+                inspect.signature(fn).bind(*(() if isinstance(fn, type) else (None,)), **self.params.get(name, {}))
+            except TypeError as err:
+                raise FieldError(f"params.{name}", f"{err} (the parameters of {name!r})") from None
 
 
 @dataclass
@@ -134,10 +167,21 @@ class RewardComposer:
 
     def __init__(self, config: RewardConfig) -> None:
         self.config = config
-        self.functions = {name: REWARDS.get(name) for name in config.weights}
+        self.functions = {name: self._build(name, REWARDS.get(name)) for name in config.weights}
         self.total_errors = 0
         self.errors_by_name = {name: 0 for name in self.functions}  # cumulative, per function
         self.first_traceback: str | None = None
+
+    def _build(self, name: str, fn: Any) -> Any:
+        """A batch reward class is built once, with its `reward.params` as keyword arguments."""
+        if not isinstance(fn, type):
+            if isinstance(fn, BatchReward) and self.config.params.get(name):
+                raise ConfigError(f"reward.params.{name}: {name!r} was passed already built; it takes no params")
+            return fn
+        try:
+            return fn(**self.config.params.get(name, {}))
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"reward.params.{name}: {err}") from None
 
     def _call(self, name: str, traj: Trajectory) -> tuple[float, str | None]:
         try:
@@ -150,8 +194,34 @@ class RewardComposer:
 
     def breakdown(self, traj: Trajectory) -> tuple[float, dict[str, float]]:
         """(weighted total, unweighted score per function) of one trajectory; counts nothing, changes nothing."""
-        scores = {name: self._call(name, traj)[0] for name in self.functions}
+        scores = {name: self._column(name, [traj])[0][0] for name in self.functions}
         return sum(self.config.weights[n] * v for n, v in scores.items()), scores
+
+    def _call_batch(self, name: str, trajs: list[Trajectory]) -> list[tuple[float, str | None]]:
+        try:
+            values = list(self.functions[name].score_batch(trajs))
+            if len(values) != len(trajs):
+                raise ValueError(f"score_batch returned {len(values)} values for {len(trajs)} trajectories")
+        except Exception:  # noqa: BLE001 - the whole batch is scored default, the run goes on
+            return [(self.config.default_on_error, traceback.format_exc())] * len(trajs)
+        return [self._checked(name, value) for value in values]
+
+    def _checked(self, name: str, value: Any) -> tuple[float, str | None]:
+        """One item of a batch: an Exception, a non-number or NaN is an error scored default."""
+        if isinstance(value, Exception):
+            return self.config.default_on_error, f"{type(value).__name__}: {value}"
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return self.config.default_on_error, f"reward function {name!r} returned {value!r}, not a number"
+        if math.isnan(value):
+            return self.config.default_on_error, f"reward function {name!r} returned NaN"
+        return value, None
+
+    def _column(self, name: str, trajs: list[Trajectory]) -> list[tuple[float, str | None]]:
+        if isinstance(self.functions[name], BatchReward):
+            return self._call_batch(name, trajs)
+        return [self._call(name, traj) for traj in trajs]
 
     def score(self, trajectories: list[Trajectory]) -> RewardStats:
         sums = {name: 0.0 for name in self.functions}
@@ -159,13 +229,14 @@ class RewardComposer:
         first_tb = None
         for traj in trajectories:
             traj.rewards = {}
-            for name in self.functions:
-                value, tb = self._call(name, traj)
+        for name in self.functions:
+            for traj, (value, tb) in zip(trajectories, self._column(name, trajectories)):
                 if tb is not None:
                     errors[name] += 1
                     first_tb = first_tb or f"reward function {name!r} failed:\n{tb}"
                 traj.rewards[name] = value
                 sums[name] += value
+        for traj in trajectories:
             traj.reward = sum(self.config.weights[n] * v for n, v in traj.rewards.items())
         self.total_errors += sum(errors.values())
         for name, count in errors.items():

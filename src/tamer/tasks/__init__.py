@@ -16,6 +16,7 @@ from tamer.tasks.code_config import CodeConfig
 from tamer.tasks.dataset import DatasetConfig, DatasetError, DatasetTasks
 from tamer.tasks.env import ENVIRONMENTS
 from tamer.tasks.trip_planner import TripPlannerConfig, TripPlannerTasks
+from tamer.tasks.units import UnitsConfig, UnitsTasks
 
 TASK_SOURCES.register_lazy("code", "tamer.tasks.code:CodeTasks")
 ENVIRONMENTS.register_lazy("python", "tamer.tasks.code:PythonEnv")
@@ -31,6 +32,7 @@ class TaskConfig:
     code: CodeConfig = field(default_factory=CodeConfig)  # used when name = code
     trip_planner: TripPlannerConfig = field(default_factory=TripPlannerConfig)  # used when name = trip_planner
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # used when name = dataset
+    units: UnitsConfig = field(default_factory=UnitsConfig)  # used when name = units (the RLHF demo's task)
 
     def __post_init__(self) -> None:
         check_name("name", self.name, TASK_SOURCES.names(), "task")
@@ -47,7 +49,7 @@ def get_task_source(config: TaskConfig) -> TaskSource:
 
 __all__ = [
     "ArithmeticConfig", "ArithmeticTasks", "CalculatorConfig", "CalculatorTasks", "CodeConfig",
-    "TripPlannerConfig", "TripPlannerTasks", "DatasetConfig", "DatasetError", "DatasetTasks",
+    "TripPlannerConfig", "TripPlannerTasks", "UnitsConfig", "UnitsTasks", "DatasetConfig", "DatasetError", "DatasetTasks",
     "TASK_SOURCES", "Task", "TaskConfig", "TaskPool", "TaskSource", "extract_answer",
     "get_task_source", "is_correct",
 ]

@@ -43,7 +43,7 @@ class DatasetConfig:
             raise FieldError("heldout_fraction", f"expected a fraction in (0, 1), got {self.heldout_fraction}")
 
 
-def _load_rows(path: Path) -> list[dict]:
+def load_rows(path: Path) -> list[dict]:
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
     builder = SUFFIX_TO_BUILDER.get(path.suffix.lower())
@@ -94,7 +94,7 @@ class DatasetTasks:
         self.config = config
 
     def _tasks(self, path: Path) -> list[Task]:
-        rows = _load_rows(path)
+        rows = load_rows(path)
         return [self._task(path, i, row) for i, row in enumerate(rows, start=1)]
 
     def _task(self, path: Path, number: int, row: dict) -> Task:

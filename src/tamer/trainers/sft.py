@@ -22,7 +22,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
