@@ -253,3 +253,38 @@ def test_unsupported_head_size_fails_before_start_in_one_line(tok):
     with pytest.raises(VLLMEngineError, match="head size 8") as err:
         VLLMEngine(model, tok, VLLMConfig())
     assert "\n" not in str(err.value) and time.perf_counter() - start < 30
+
+
+# ------------------------------------------------------------------------------------- server mode
+def test_real_server_parity_sync_and_a_second_client(tok, tmp_path):
+    """tamer starts `vllm.entrypoints.openai.api_server` on 127.0.0.1; a second engine then addresses it by URL."""
+    from tamer.rollout.vllm import VLLMEngine
+
+    model = build_tiny_model(tok, TinyModelConfig(**{**SMALL.__dict__, "seed": 2}))
+    config = VLLMConfig(mode="server", sync_dir=str(tmp_path / "sync"), startup_timeout_s=900, request_timeout_s=300)
+    with VLLMEngine(model, tok, config, work_dir=tmp_path / "w") as eng:
+        proc = eng.backend.proc
+        assert proc.poll() is None and eng.backend.url.startswith("http://127.0.0.1:")
+        prompts = _prompts(tok, 4)
+        greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=12, stop_token_ids=stop_token_ids(tok))
+        ref = HFEngine(model, tok.pad_token_id).generate(prompts, greedy)
+        assert [g[0].token_ids for g in eng.generate(prompts, greedy)] == [g[0].token_ids for g in ref]
+        tasks = ArithmeticTasks().split()[1][:4]
+        params = SamplingParams(n=3, temperature=0.7, max_new_tokens=12, stop_token_ids=stop_token_ids(tok), seed=4)
+        gap = _gap(model, Rollout(eng, tok).run(tasks, params), tok.pad_token_id, 0.7)
+        print(f"server: sampled-token logprob gap {gap:.2e}")
+        assert gap < PARITY
+        _perturb(model, seed=2)
+        start = time.perf_counter()
+        eng.sync_weights(model)  # disk: safetensors to a directory, /collective_rpc reload_weights
+        print(f"server disk sync: {time.perf_counter() - start:.3f} s")
+        assert eng.weight_version == 1 and eng.backend.version() == "1"
+        assert _gap(model, Rollout(eng, tok).run(tasks, params), tok.pad_token_id, 0.7) < PARITY
+        other = build_tiny_model(tok, TinyModelConfig(**{**SMALL.__dict__, "seed": 3}))
+        user = VLLMConfig(mode="server", url=eng.backend.url, sync_dir=str(tmp_path / "sync2"), request_timeout_s=300)
+        with VLLMEngine(other, tok, user) as second:  # pushes its own weights first
+            assert second.backend.proc is None and second.stats["probe_gap"] < PARITY
+            assert _gap(other, Rollout(second, tok).run(tasks, params), tok.pad_token_id, 0.7) < PARITY
+        with pytest.raises(WeightSyncError, match="stale weights"):  # the first engine notices
+            eng.generate(prompts, params)
+    assert proc.poll() is not None  # closing the engine stopped the server it started

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tamer.config import ConfigError, load_config, to_dict
+from tamer.rollout.vllm.errors import VLLMEngineError
 from tamer.tasks.dataset import DatasetError
 
 app = typer.Typer(
@@ -47,7 +48,7 @@ def _guard(job: Callable[[], Any]) -> Any:
     """Run a job; turn config and data errors into one clear line and exit status 2."""
     try:
         return job()
-    except (ConfigError, DatasetError, FileNotFoundError) as err:
+    except (ConfigError, DatasetError, FileNotFoundError, VLLMEngineError) as err:
         console.print(f"[bold red]error:[/] {err}", soft_wrap=True)
         raise typer.Exit(2) from None
 

@@ -30,7 +30,9 @@ from tamer.models import (
 from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.rollout.engine import HFEngine
+from tamer.rollout.engines import rl_engine
 from tamer.rollout.runner import Rollout
+from tamer.rollout.vllm.config import VLLMConfig
 from tamer.tasks import TaskConfig, get_task_source
 from tamer.tasks.base import Task, TaskSource
 from tamer.tracking import Tracker, plot_metrics
@@ -80,6 +82,7 @@ class RunConfig:
         steps=40, prompts_per_step=16, group_size=8, max_new_tokens=32, optim=OptimConfig(lr=1e-4), eval_every=10))
     eval: EvalConfig = field(default_factory=EvalConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn budgets for environment tasks
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # the vLLM engine, when rl.engine = vllm
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
 
@@ -190,9 +193,10 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool = Fals
     run_dir = Path(config.output_dir) / "rl"
     checkpoint = latest_checkpoint(run_dir / "checkpoints") if resume else None
     start = time.perf_counter()
-    with tracker_for(config, "rl", config.rl.steps, "rl", append=checkpoint is not None) as tracker:
+    with tracker_for(config, "rl", config.rl.steps, "rl", append=checkpoint is not None) as tracker, \
+            rl_engine(config.rl.engine, model, tokenizer, config.vllm) as engine:
         trainer = RLTrainer(model, tokenizer, train, heldout, RewardComposer(config.reward, reward_extra),
-                            config.rl, config.eval, run_dir=run_dir, tracker=tracker, agent=config.agent)
+                            config.rl, config.eval, run_dir=run_dir, tracker=tracker, agent=config.agent, engine=engine)
         if checkpoint is not None:
             tracker.truncate_after(trainer.resume(checkpoint))
             tracker.print(f"resumed from {checkpoint} at step {trainer.step}")

@@ -8,6 +8,8 @@ The caller owns the engine: `close()` a vLLM engine when the run ends (HFEngine 
 
 from __future__ import annotations
 
+import contextlib
+
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.rollout.engine import GenerationEngine, HFEngine
@@ -34,3 +36,16 @@ def close_engine(engine: GenerationEngine) -> None:
     close = getattr(engine, "close", None)
     if callable(close):
         close()
+
+
+@contextlib.contextmanager
+def rl_engine(name: str, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, vllm: VLLMConfig | None = None):
+    """For RLTrainer's `engine=`: None for `hf` (the trainer builds its own), else a started engine, closed on exit."""
+    if name == "hf":
+        yield None
+        return
+    engine = make_engine(name, model, tokenizer, vllm=vllm)
+    try:
+        yield engine
+    finally:
+        close_engine(engine)

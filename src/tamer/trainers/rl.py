@@ -110,6 +110,9 @@ class RLConfig:
     precision: str = "fp32"  # fp32 | bf16 (autocast for sampler and learner; fp32 weights and optimizer)
     share_prompt_prefix: bool = True  # learner: forward each group's shared prompt once, not G times
     rollout_threads: int = 0  # intra-op threads while generating; 0 = the process's setting
+    engine: str = "hf"  # hf (tamer's decode loop) | vllm (VLLMEngine, settings in the run's `vllm:` section)
+    tis_cap: float = 0.0  # truncated importance sampling cap C (>= 1) on π_learner/π_sampler; 0: off
+    tis_level: str = "token"  # token | sequence (one weight per row)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)  # used when algorithm.advantage = gae
@@ -130,6 +133,10 @@ class RLConfig:
             raise ValueError("rl.mini_batches: more mini-batches than trajectories per step")
         if self.rollout_threads < 0:
             raise ValueError(f"rl.rollout_threads: expected >= 0 (0 = the process's setting), got {self.rollout_threads}")
+        if self.engine not in ("hf", "vllm"):
+            raise ValueError(f"rl.engine: expected hf or vllm, got {self.engine!r}")
+        if self.tis_cap and self.tis_cap < 1 or self.tis_level not in ("token", "sequence"):
+            raise ValueError("rl.tis_cap must be 0 (off) or >= 1, rl.tis_level token or sequence")
         if self.precision not in PRECISIONS:
             raise ValueError(f"rl.precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 

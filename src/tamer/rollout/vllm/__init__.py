@@ -14,15 +14,19 @@ the install command.
 
 from tamer.rollout.vllm.config import VLLMConfig
 from tamer.rollout.vllm.errors import INSTALL_HINT, VLLMEngineError, WeightSyncError, require_vllm
-from tamer.rollout.vllm.sync import SYNCS, named_weights
 
 
 def __getattr__(name: str):
-    # VLLMEngine pulls in the learner's modules; loaded on first use so that configs import light.
+    # The engine and sync strategies pull in torch and transformers: loaded on first use, so that
+    # configs and error types import light (the CLI imports them before any work).
     if name == "VLLMEngine":
         from tamer.rollout.vllm.engine import VLLMEngine
 
         return VLLMEngine
+    if name in ("SYNCS", "named_weights"):
+        from tamer.rollout.vllm import sync
+
+        return getattr(sync, name)
     raise AttributeError(name)
 
 
