@@ -30,7 +30,7 @@ from tamer.rollout.vllm import INSTALL_HINT, VLLMConfig, VLLMEngineError, Weight
 from tamer.rollout.vllm.engine import VLLMEngine, _with_timeout
 from tamer.tasks import ArithmeticTasks
 from tamer.trainers.batch import collate
-from tamer.trainers.common import token_logprobs
+from tamer.trainers.common import OptimConfig, make_optimizer, token_logprobs
 
 
 class FakeVLLM(ThreadingHTTPServer):
@@ -192,7 +192,8 @@ def test_server_protocol_sync_versions_and_parity(fake, tiny_model, tokenizer, t
     with VLLMEngine(tiny_model, tokenizer, config) as engine:
         assert fake.version == "0" and engine.weight_version == 0 and engine.stats["probe_gap"] < 1e-5
         tasks = ArithmeticTasks().split()[1][:3]
-        params = SamplingParams(n=3, temperature=0.7, max_new_tokens=8, stop_token_ids=stop_token_ids(tokenizer), seed=1)
+        stops = stop_token_ids(tokenizer)
+        params = SamplingParams(n=3, temperature=0.7, max_new_tokens=8, stop_token_ids=stops, seed=1)
         trajs = Rollout(engine, tokenizer).run(tasks, params)
         assert len(trajs) == 9 and all(t.weight_version == 0 for t in trajs)
         batch = collate(trajs, torch.zeros(9), tokenizer.pad_token_id)
@@ -200,8 +201,9 @@ def test_server_protocol_sync_versions_and_parity(fake, tiny_model, tokenizer, t
             learner = token_logprobs(tiny_model, batch.input_ids, batch.attention_mask, temperature=0.7)
         mask = batch.loss_mask.bool()
         assert (learner[mask] - batch.old_logprobs[mask]).abs().max() < 1e-5
-        with torch.no_grad():
-            tiny_model.lm_head.weight.add_(0.1)  # an optimizer step, in effect
+        optimizer = make_optimizer(tiny_model, OptimConfig(lr=1e-3))  # fused AdamW: no write counters bumped
+        token_logprobs(tiny_model, batch.input_ids, batch.attention_mask).sum().backward()
+        optimizer.step()
         engine.sync_weights(tiny_model)
         assert engine.weight_version == 1 and fake.version == "1"
         assert fake.calls.count("/pause") == 2 and fake.calls.count("/resume") == 2

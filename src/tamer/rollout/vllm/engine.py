@@ -3,7 +3,7 @@
     engine = VLLMEngine(model, tokenizer, VLLMConfig())            # colocated: an in-process vllm.LLM
     engine = VLLMEngine(model, tokenizer, VLLMConfig(mode="server"))  # tamer starts a server on 127.0.0.1
     outputs = engine.generate(prompt_ids, SamplingParams(n=8, temperature=1.0, stop_token_ids=(eos,)))
-    engine.sync_weights(model)     # after each learner update; a no-op when no parameter was written
+    engine.sync_weights(model)     # after each learner update; a no-op when no weight changed
     engine.close()
 
 Token ids in, token ids and the sampled tokens' logprobs out, exactly as `HFEngine`: the stop
@@ -46,9 +46,14 @@ PROBE_TEXT = "1+2=3 4+5=9"
 PROBE_TEMPERATURE = 0.7  # not 1: raw logprobs (a server without processed_logprobs) fail the check
 
 
-def fingerprint(model: PreTrainedModel) -> tuple[tuple[int, int], ...]:
-    """Identity and in-place write counter of every parameter: changes whenever a weight is written."""
-    return tuple((id(p), p._version) for p in model.parameters())
+@torch.no_grad()
+def fingerprint(model: PreTrainedModel) -> torch.Tensor:
+    """Per parameter, its sum and sum of squares in float64: (P, 2). Any optimizer step changes them.
+
+    Content, not torch's per-tensor write counters: fused optimizers (AdamW(fused=True), the
+    default here) write parameters without bumping those counters.
+    """
+    return torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]) for p in model.parameters()]).cpu()
 
 
 class VLLMEngine:
@@ -62,7 +67,8 @@ class VLLMEngine:
         self._broken: str | None = None
         self._tmp = tempfile.TemporaryDirectory(prefix="tamer-vllm-") if work_dir is None else None
         self.work_dir = Path(work_dir or self._tmp.name)
-        self.dtype = config.dtype if config.dtype != "auto" else str(next(model.parameters()).dtype).replace("torch.", "")
+        learner_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        self.dtype = learner_dtype if config.dtype == "auto" else config.dtype
         self.max_model_len = config.max_model_len or int(getattr(model.config, "max_position_embeddings", 2048))
         self.tolerance = config.verify_tolerance or (1e-3 if self.dtype == "float32" else 0.1)
         self._probe_ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
@@ -152,10 +158,10 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- weights
     def sync_weights(self, model: PreTrainedModel) -> None:
-        """Give the engine `model`'s current weights (a new weight version); no-op if none was written."""
+        """Give the engine `model`'s current weights (a new weight version); no-op if no weight changed."""
         self._check_alive()
         current = fingerprint(model)
-        if model is self.model and current == self._fingerprint:
+        if model is self.model and torch.equal(current, self._fingerprint):
             return
         version = self.weight_version + 1
         start = time.perf_counter()
@@ -180,7 +186,8 @@ class VLLMEngine:
         self.backend.set_version(str(version))
         reported = self.backend.version()
         if reported != str(version):
-            raise WeightSyncError(f"the engine reports weight version {reported!r} after the update, expected {version}")
+            raise WeightSyncError(f"the engine reports weight version {reported!r} after the update, "
+                                  f"expected {version}")
         self.backend.resume()
 
     def _verify(self, when: str) -> None:
@@ -191,8 +198,9 @@ class VLLMEngine:
         gap = float((torch.tensor(out.logprobs) - learner).abs().max())
         self.stats["probe_gap"] = gap
         if not gap <= self.tolerance:
-            self._broken = (f"{when}, the engine's logprobs differ from the learner's by {gap:.3g} > {self.tolerance:g} "
-                            "(vllm.verify_tolerance): its weights or sampling settings are not the learner's")
+            self._broken = (f"{when}, the engine's logprobs differ from the learner's by {gap:.3g} > "
+                            f"{self.tolerance:g} (vllm.verify_tolerance): its weights or sampling settings "
+                            "are not the learner's")
             raise WeightSyncError(self._broken)
 
     # ---------------------------------------------------------------- lifecycle
