@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--kv-cache-gib", type=int, default=1)
     args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the JSON
     import torch
 
     if args.threads:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import subprocess
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 from tamer.rollout.vllm.config import VLLMConfig
@@ -33,6 +36,20 @@ class Sample:
     versions: set[str] = field(default_factory=set)  # weight versions that sampled these tokens, when reported
 
 
+def whole_prompt_scheduling(max_model_len: int) -> dict[str, Any]:
+    """On vLLM's CPU backend: schedule each prompt's prefill in one step (no chunked prefill).
+
+    vLLM 0.32 rewinds a seeded request's random generator when its prefill is split over steps,
+    and CPU generators cannot rewind (`RuntimeError: CPU Generator does not use offset`, which
+    kills the engine). tamer seeds every request, so on CPU prompts are never split.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
+
+
 class ColocatedBackend:
     """A `vllm.LLM` in this process (in-process engine core, so weights pass as tensors)."""
 
@@ -45,19 +62,27 @@ class ColocatedBackend:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the learner shares these cores
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the trainer's (and JSON's)
         vllm = require_vllm()
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
         # (it expects to own pinned threads); unpinned, the trainer keeps control of its threads.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        kwargs = {**whole_prompt_scheduling(max_model_len), **config.extra_args}
+        rng_states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
         try:
             self.llm = vllm.LLM(
                 model=model_dir, dtype=dtype, seed=config.seed, max_model_len=max_model_len,
                 enforce_eager=config.enforce_eager, enable_prefix_caching=config.prefix_caching,
                 gpu_memory_utilization=config.gpu_memory_utilization, skip_tokenizer_init=True,
-                logprobs_mode="processed_logprobs", **config.extra_args)
+                logprobs_mode="processed_logprobs", **kwargs)
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
+            # In-process, vLLM seeds the process's global RNGs (random, numpy, torch) with its own
+            # seed: the trainer's random streams continue as if no engine had started.
+            random.setstate(rng_states[0])
+            np.random.set_state(rng_states[1])
+            torch.random.set_rng_state(rng_states[2])
         self._params_cls = vllm.SamplingParams
 
     def generate(self, prompts: list[list[int]], sampling: list[dict[str, Any]], timeout: float) -> list[list[Sample]]:
@@ -123,16 +148,22 @@ class ServerBackend:
         if not url:
             require_vllm()
             log_path = log_path or Path(model_dir).parent / "vllm-server.log"
-            self.proc, url = launch_server(model_dir, config, log_path, dtype, max_model_len, weight_transfer)
+            self.proc, url = launch_server(model_dir, config, log_path, dtype, max_model_len, weight_transfer,
+                                           whole_prompt_scheduling(max_model_len))
+            self._stop = weakref.finalize(self, stop_server, self.proc)  # also at interpreter exit, if never closed
         self.url, self.log_path = url.rstrip("/"), log_path
         self.client = ServerClient(self.url, timeout=config.request_timeout_s)
-        self.client.get("/health")  # unreachable: one line now, before anything else
-        models = self.client.get("/v1/models").get("data") or []
-        if not models:
-            raise VLLMEngineError(f"vLLM server {self.url} serves no model")
+        self.pool = ThreadPoolExecutor(max_workers=config.max_concurrent_requests, thread_name_prefix="vllm-http")
+        try:
+            self.client.get("/health")  # unreachable: one line now, before anything else
+            models = self.client.get("/v1/models").get("data") or []
+            if not models:
+                raise VLLMEngineError(f"vLLM server {self.url} serves no model")
+        except BaseException:
+            self.close()
+            raise
         self.model_name = models[0]["id"] if self.proc is None else SERVED_MODEL_NAME
         self.max_model_len = int(models[0].get("max_model_len") or max_model_len or 0)
-        self.pool = ThreadPoolExecutor(max_workers=config.max_concurrent_requests, thread_name_prefix="vllm-http")
 
     def generate(self, prompts: list[list[int]], sampling: list[dict[str, Any]], timeout: float) -> list[list[Sample]]:
         """One /v1/completions request per prompt, up to `max_concurrent_requests` in flight."""
@@ -194,5 +225,5 @@ class ServerBackend:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
         if self.proc is not None:
-            stop_server(self.proc)
+            self._stop()
             self.proc = None

@@ -111,7 +111,13 @@ class VLLMEngine:
         n = 1 if params.greedy else params.n  # vLLM samples greedy with n=1 only; copies are identical
         sampling = [self._sampling(params, i, len(prompt), n) for i, prompt in enumerate(prompts)]
         self._check_server_version("before generating")
-        raw = self.backend.generate(prompts, sampling, self.config.request_timeout_s)
+        try:
+            raw = self.backend.generate(prompts, sampling, self.config.request_timeout_s)
+        except VLLMEngineError:
+            raise
+        except Exception as err:  # the in-process engine died (EngineDeadError, a kernel error, ...)
+            self._broken = f"generation failed: {one_line(err)}"
+            raise VLLMEngineError(f"vLLM {self._broken}") from err
         self._check_server_version("after generating")
         outputs = []
         for samples in raw:

@@ -117,7 +117,7 @@ def free_port() -> int:
 
 
 def server_command(model_dir: str | Path, config: VLLMConfig, dtype: str, port: int, max_model_len: int,
-                   weight_transfer: str | None = None) -> list[str]:
+                   weight_transfer: str | None = None, engine_args: dict[str, Any] | None = None) -> list[str]:
     """The command line of a server for `model_dir` with tamer's settings (see `launch_server`)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
@@ -131,9 +131,9 @@ def server_command(model_dir: str | Path, config: VLLMConfig, dtype: str, port: 
     cmd += ["--enable-prefix-caching"] if config.prefix_caching else ["--no-enable-prefix-caching"]
     if weight_transfer:
         cmd += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
-    for key, value in config.extra_args.items():
+    for key, value in {**(engine_args or {}), **config.extra_args}.items():
         flag = "--" + key.replace("_", "-")
-        cmd += [flag] if value is True else [flag, str(value)] if value is not False else []
+        cmd += [flag] if value is True else [flag, str(value)] if value is not False else [f"--no-{flag[2:]}"]
     return cmd
 
 
@@ -147,7 +147,8 @@ def server_env(config: VLLMConfig) -> dict[str, str]:
 
 
 def launch_server(model_dir: str | Path, config: VLLMConfig, log_path: Path, dtype: str, max_model_len: int,
-                  weight_transfer: str | None = None) -> tuple[subprocess.Popen, str]:
+                  weight_transfer: str | None = None, engine_args: dict[str, Any] | None = None,
+                  ) -> tuple[subprocess.Popen, str]:
     """Start a server on 127.0.0.1 and wait until it is healthy; returns (process, base URL).
 
     Its output goes to `log_path`. A server that exits or stays unhealthy past
@@ -155,7 +156,7 @@ def launch_server(model_dir: str | Path, config: VLLMConfig, log_path: Path, dty
     """
     port = config.port or free_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = server_command(model_dir, config, dtype, port, max_model_len, weight_transfer)
+    cmd = server_command(model_dir, config, dtype, port, max_model_len, weight_transfer, engine_args)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(config),
                                 start_new_session=True)
