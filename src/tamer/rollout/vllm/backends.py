@@ -8,6 +8,7 @@ reports. `VLLMEngine` (engine.py) does the mapping from tamer's `SamplingParams`
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import random
 import subprocess
@@ -64,6 +65,9 @@ class ColocatedBackend:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the trainer's (and JSON's)
         vllm = require_vllm()
+        # Token ids in and out: no tokenizer in the engine, so vLLM's chat-template warm-up fails
+        # harmlessly, with a traceback at WARNING level on every start.
+        logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process
         # (it expects to own pinned threads); unpinned, the trainer keeps control of its threads.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()

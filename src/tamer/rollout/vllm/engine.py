@@ -85,7 +85,7 @@ class VLLMEngine:
             self._verify("at start-up")
         except BaseException as err:
             self.close()
-            if isinstance(err, VLLMEngineError):
+            if isinstance(err, VLLMEngineError) or not isinstance(err, Exception):  # ours, or Ctrl-C
                 raise
             raise VLLMEngineError(f"vLLM cannot run this model: {one_line(err)}") from err
 
