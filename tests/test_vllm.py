@@ -319,8 +319,7 @@ def test_grpo_on_arithmetic_through_vllm_raises_heldout_accuracy(tmp_path):
     from tamer.trainers.rl import RLConfig, RLTrainer
     from tamer.trainers.sft import SFTConfig, SFTTrainer, demonstrations
 
-    seed_everything(0)
-    torch.set_num_threads(2)
+    seed_everything(0)  # one torch thread (conftest): two spin against each other on a shared machine
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, TinyModelConfig())  # the demo's 1M model, head_dim 32
     source = ArithmeticTasks()
