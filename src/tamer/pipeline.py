@@ -32,7 +32,9 @@ from tamer.resume import finished_phase, resume_trainer, wants_resume
 from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.rollout.engine import GenerationEngine, HFEngine
+from tamer.rollout.engines import rl_engine
 from tamer.rollout.runner import Rollout
+from tamer.rollout.vllm.config import VLLMConfig
 from tamer.rollout_log import RolloutRecorder
 from tamer.storage import preflight, write_json
 from tamer.tasks import TaskConfig, get_task_source
@@ -64,6 +66,7 @@ class RunConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)  # multi-turn budgets for environment tasks
     rm: RewardModelConfig = field(default_factory=RewardModelConfig)  # `tamer rm`: reward model from preferences
     preference: PreferenceDemoConfig = field(default_factory=PreferenceDemoConfig)  # `tamer demo --env preference`
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # the vLLM engine, when rl.engine = vllm
     tracking: TrackingConfig = field(default_factory=TrackingConfig)  # console and TensorBoard
 
 
@@ -178,8 +181,9 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool | str 
     resuming = wants_resume(run_dir / "checkpoints", resume)
     seed_everything(config.rl.seed)
     start = time.perf_counter()
-    with tracker_for(config, "rl", config.rl.steps, "rl", append=resuming) as tracker:
-        trainer = make_trainer(config, model, tokenizer, tracker=tracker)
+    with tracker_for(config, "rl", config.rl.steps, "rl", append=resuming) as tracker, \
+            rl_engine(config.rl.engine, model, tokenizer, config.vllm) as engine:
+        trainer = make_trainer(config, model, tokenizer, tracker=tracker, engine=engine)
         if resuming:
             resume_trainer(trainer, run_dir / "checkpoints", tracker)
         with summary_on_stop(run_dir / "summary.json", lambda: {"rl_steps": trainer.step, **trainer.last_eval}):

@@ -131,6 +131,7 @@ class _Episode:
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     finish_reason: str = "stop"
     done: bool = False
+    weight_version: int | None = None
 
 
 class AgentRollout:
@@ -200,6 +201,9 @@ class AgentRollout:
         episode.completion_ids += out.token_ids
         episode.loss_mask += [1] * len(out.token_ids)
         episode.logprobs += list(out.logprobs)
+        version = getattr(out, "weight_version", None)
+        if version is not None:  # the oldest weights any turn was sampled with
+            episode.weight_version = version if episode.weight_version is None else min(episode.weight_version, version)
         text = self.decode_turn(out.token_ids)
         start = time.perf_counter()
         result = self._step(episode.env, text)
@@ -239,4 +243,4 @@ class AgentRollout:
         return Trajectory(task=e.task, group_id=e.group_id, prompt_ids=e.prompt_ids, completion_ids=e.completion_ids,
                           loss_mask=e.loss_mask, logprobs=e.logprobs,
                           text=self.tokenizer.decode(e.completion_ids, skip_special_tokens=False),
-                          finish_reason=e.finish_reason, turns=e.turns, info=e.info)
+                          finish_reason=e.finish_reason, turns=e.turns, info=e.info, weight_version=e.weight_version)

@@ -62,6 +62,7 @@ class Rollout:
                     text=self.tokenizer.decode(out.token_ids, skip_special_tokens=False),
                     finish_reason=out.finish_reason,
                     turns=[Turn(generated=len(out.token_ids), seconds=seconds)],
+                    weight_version=out.weight_version,
                 ))
         return trajectories
 

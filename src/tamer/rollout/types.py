@@ -40,6 +40,7 @@ class GenerationOutput:
     token_ids: list[int]
     logprobs: list[float]  # log π_old(token) under the sampling temperature
     finish_reason: str  # "stop" (a stop token was sampled, and is included) or "length"
+    weight_version: int | None = None  # the engine's weight version that sampled it (None: not tracked)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Trajectory:
     reward: float = 0.0
     rewards: dict[str, float] = field(default_factory=dict)  # per reward function, unweighted
     info: dict[str, Any] = field(default_factory=dict)  # environment facts: cost, success, ...
+    weight_version: int | None = None  # engine weight version that sampled it (oldest turn's; None: not tracked)
 
     @property
     def num_generated(self) -> int:

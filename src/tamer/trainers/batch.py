@@ -27,6 +27,7 @@ class Batch:
     prompt_lengths: torch.Tensor | None = None  # (B,) long, tokens before the first completion token
     prefix_index: torch.Tensor | None = None  # (B,) long, equal for rows with identical prompts
     ref_logprobs: torch.Tensor | None = None  # (B, T) float32, when KL is on
+    sampler_logprobs: torch.Tensor | None = None  # (B, T) float32, the engine's, when old ones are recomputed
     old_values: torch.Tensor | None = None  # (B, T) float32, PPO's critic at rollout time
     returns: torch.Tensor | None = None  # (B, T) float32, PPO's value targets
 

@@ -38,6 +38,7 @@ from tamer.algorithms import (
     ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, bind, get_policy_loss_fn, kl_penalty,
     masked_mean, zero_spread_groups,
 )
+from tamer.algorithms.mismatch import truncated_importance_weights
 from tamer.checkpoint import load_checkpoint, save_checkpoint
 from tamer.config import FieldError, check_name
 from tamer.evaluate import EvalConfig, evaluate
@@ -115,6 +116,9 @@ class RLConfig:
     rollout_threads: int = 0  # intra-op threads while generating; 0 = the process's setting
     generation_batch: int = 256  # sequences generated at once (rollouts and evaluation); lower caps memory
     fast_forward: bool = True  # the lean forward in engine and learner where supported; False: HF forward
+    engine: str = "hf"  # hf (tamer's decode loop) | vllm (VLLMEngine, settings in the run's `vllm:` section)
+    tis_cap: float = 0.0  # truncated importance sampling cap C (>= 1) on π_learner/π_sampler; 0: off
+    tis_level: str = "token"  # token | sequence (one weight per row)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))  # the policy's optimizer
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # estimator, loss, aggregation, KL
     critic: CriticConfig = field(default_factory=CriticConfig)  # used when algorithm.advantage = gae
@@ -135,6 +139,9 @@ class RLConfig:
         uses_critic = self.algorithm.advantage in CRITIC_ADVANTAGES
         if self.group_size < 2 and not uses_critic:
             raise FieldError("group_size", "group-relative advantages need at least 2 attempts per prompt")
+        if self.tis_cap and not self.on_policy and not self.recompute_old_logprobs:
+            raise FieldError("tis_cap", "with several updates per batch (ppo_epochs or mini_batches > 1) TIS needs "
+                                        "rl.recompute_old_logprobs: true (π_old from the learner, π_sampler from the engine)")
         if self.critic.kl_in_reward > 0 and not uses_critic:
             raise FieldError("critic.kl_in_reward", "only PPO's critic (algorithm.advantage: gae) puts the KL in "
                                                     "the reward; for GRPO-style runs use algorithm.kl_coef")
@@ -144,6 +151,10 @@ class RLConfig:
             if getattr(self, name) < 0:
                 raise FieldError(name, f"expected >= 0, got {getattr(self, name)}")
         check_name("precision", self.precision, PRECISIONS, "precision")
+        check_name("engine", self.engine, ("hf", "vllm"), "engine")
+        if self.tis_cap and self.tis_cap < 1:
+            raise FieldError("tis_cap", f"expected 0 (off) or >= 1, got {self.tis_cap}")
+        check_name("tis_level", self.tis_level, ("token", "sequence"), "TIS level")
 
     @property
     def on_policy(self) -> bool:
@@ -349,6 +360,7 @@ class RLTrainer:
         with self._timed("logprobs"):
             if self.ref_model is not None:
                 batch.ref_logprobs = self._no_grad_logprobs(self.ref_model, batch)
+            batch.sampler_logprobs = batch.old_logprobs  # what the engine reported; old_logprobs may be recomputed
             if self.config.recompute_old_logprobs:
                 batch.old_logprobs = self._no_grad_logprobs(self.model, batch)
             self.advantage.compute(batch)
@@ -421,6 +433,11 @@ class RLTrainer:
             gap = (logprobs.detach() - micro.old_logprobs).abs()
             metrics["train/sampler_logprob_gap"] = float(masked_mean(gap, micro.loss_mask))
         loss_matrix, parts = self.policy_loss(logprobs, old_logprobs, micro.advantages, micro.loss_mask)
+        if self.config.tis_cap:  # the engine sampled from π_sampler ≠ π_old: reweight (docs/algorithms.md#tis)
+            weights, tis = truncated_importance_weights(old_logprobs, micro.sampler_logprobs, micro.loss_mask,
+                                                        cap=self.config.tis_cap, level=self.config.tis_level)
+            loss_matrix = loss_matrix * weights
+            metrics.update({f"mismatch/{k}": float(v) for k, v in tis.items()})
         loss = aggregate(loss_matrix, micro.loss_mask, alg.aggregation, constant=constant)
         metrics["train/policy_loss"] = loss.item()
         metrics.update({f"train/{k}": float(v) for k, v in parts.items()})
