@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup demo test test-all lint clean vllm-cpu test-vllm
+.PHONY: setup setup-all demo test test-slow test-all lint clean vllm-cpu test-vllm
 
 setup: $(STAMP)
 
@@ -25,8 +25,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow"
 
-test-all: $(STAMP)
-	$(PY) -m pytest
+# Every optional extra, for the slow tier (TRL, Ray, peft, W&B, MLflow, selenium).
+EXTRAS_STAMP := $(VENV)/.installed-extras
+setup-all: $(EXTRAS_STAMP)
+
+$(EXTRAS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[dev,bench,scale,lora,wandb,mlflow,browser]"
+	touch $(EXTRAS_STAMP)
+
+# The slow tier: end-to-end runs, child processes, Ray and torchrun, a real browser (Debian's chromium).
+test-slow: $(EXTRAS_STAMP)
+	$(PY) -m pytest -m "slow and not vllm"
+
+test-all: $(EXTRAS_STAMP)
+	$(PY) -m pytest -m "not vllm"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
