@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tamer.stopping import stop_requested
 from tamer.trainers.batch import Batch
 
 
@@ -102,6 +103,10 @@ class Learner:
 
     def barrier(self) -> None:
         pass
+
+    def should_stop(self) -> bool:
+        """Whether to checkpoint and stop after this step (a stop signal; under torchrun rank 0 decides)."""
+        return stop_requested()
 
 
 class _FixedOptimizerState:
@@ -185,6 +190,11 @@ class DistributedLearner(Learner):
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def should_stop(self) -> bool:
+        from tamer.scale.launch import stop_file_requested
+
+        return bool(self.broadcast(stop_requested() or stop_file_requested() if self.is_main else None))
 
     # ------------------------------------------------------------------ weights and checkpoints
     def publish(self, wrapped: Wrapped, model: nn.Module) -> None:

@@ -49,7 +49,7 @@ from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams, Trajectory
 from tamer.rollout_log import RolloutLogConfig, RolloutRecorder
 from tamer.scale.learner import CallModule, Learner
-from tamer.stopping import TrainingStopped, stop_requested
+from tamer.stopping import TrainingStopped
 from tamer.tasks.base import Task, TaskPool
 from tamer.trainers.advantage import Advantage, GroupAdvantage
 from tamer.trainers.batch import Batch, collate, micro_batches
@@ -257,7 +257,7 @@ class RLTrainer:
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 metrics.update(self.evaluate())  # 6: held-out evaluation
             self._log(metrics, step)
-            stop = self.learner.broadcast(stop_requested() and step < cfg.steps)  # SIGTERM/SIGINT: checkpoint, stop
+            stop = self.learner.should_stop() and step < cfg.steps  # SIGTERM/SIGINT: checkpoint, then stop
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop:
                 saved = self.save_checkpoint()
             if stop:
@@ -478,6 +478,14 @@ class RLTrainer:
             metrics["train/kl"] = kl.item()
         metrics["train/loss"] = loss.item()
         return loss, metrics
+
+    def close(self) -> None:
+        """Stop the producer thread and the rollout workers, if any (idempotent)."""
+        if self.producer is not None:
+            self.producer.close()
+        close = getattr(self.rollout, "close", None)
+        if close is not None:
+            close()
 
     # ---------------------------------------------------------------- evaluation, checkpoints, logs
     def evaluate(self) -> dict[str, float]:
