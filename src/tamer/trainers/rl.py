@@ -281,6 +281,8 @@ class RLTrainer:
                         self.recorder.on_batch(step, trajectories, batch, lambda b: self._no_grad_logprobs(self.model, b))
                 metrics |= self.update(batch, step) | self._token_counts(batch)  # 5: μ inner updates
         self.step = step
+        if self.producer is not None:  # the new weights, for batches sampled from now on
+            self.producer.publish(step, self.model)
         return metrics | self._step_metrics(skipped=not trajectories)
 
     def _next_rollouts(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
@@ -312,12 +314,13 @@ class RLTrainer:
                 "tokens/learner": completions + (unique_prompts if shared else float(batch.prompt_lengths.sum()))}
 
     @contextlib.contextmanager
-    def _timed(self, name: str):
+    def _timed(self, name: str, timings: dict[str, float] | None = None):
+        timings = self.timings if timings is None else timings
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
     # ---------------------------------------------------------------- phases
     def sampling_params(self, step: int, round_: int = 0) -> SamplingParams:
@@ -326,26 +329,32 @@ class RLTrainer:
                               max_new_tokens=cfg.max_new_tokens, stop_token_ids=self.stop_ids,
                               seed=_step_seed(cfg.seed, step, round_))
 
-    def collect(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
-        """Roll out and score groups; with dynamic sampling keep only groups with spread."""
+    def collect(self, step: int, rollout: Rollout | None = None, version: int | None = None,
+                timings: dict[str, float] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
+        """Roll out and score groups; with dynamic sampling keep only groups with spread.
+
+        By default on this trainer's rollout at the current weights; the producer of an
+        off-policy run passes its own `rollout`, already at weights `version`, and `timings`."""
         cfg, mode = self.config, self.config.algorithm.dynamic_sampling
-        self.rollout.sync_weights(self.model, self.step)
+        if rollout is None:
+            rollout, version = self.rollout, self.step
+            rollout.sync_weights(self.model, version)
         kept: list[Trajectory] = []
         seen: list[Trajectory] = []
         for round_ in range(1 + (cfg.algorithm.max_refill_rounds if mode == "refill" else 0)):
             missing = cfg.prompts_per_step - len(kept) // cfg.group_size
             tasks = self.pool.next_batch(missing)
-            with self._timed("generate"):
-                trajs = self.rollout.run(tasks, self.sampling_params(step, round_), group_offset=len(seen) // cfg.group_size)
-            with self._timed("score"):
+            with self._timed("generate", timings):
+                trajs = rollout.run(tasks, self.sampling_params(step, round_), group_offset=len(seen) // cfg.group_size)
+            with self._timed("score", timings):
                 self._score(trajs)
             for t in trajs:
-                t.policy_version = self.step  # the weights that sampled it: after `step` updates
+                t.policy_version = version  # the weights that sampled it: after `version` updates
             seen += trajs
             kept += trajs if mode == "off" else self._with_spread(trajs)
             if mode != "refill" or len(kept) // cfg.group_size >= cfg.prompts_per_step:
                 break
-        return kept, self._rollout_metrics(seen, kept) | self.rollout.metrics()
+        return kept, self._rollout_metrics(seen, kept) | rollout.metrics()
 
     def _score(self, trajs: list[Trajectory]) -> None:
         stats = self.rewards.score(trajs)
