@@ -186,10 +186,10 @@ class RayRollout:
                 lost.append(pending.pop(ref))  # hung: treated as lost
             for shard, actor in lost:
                 restarts += 1
+                self._replace(actor)  # even when giving up: the next call must not meet a dead or hung actor
                 if restarts > self.max_restarts:
                     raise RolloutWorkerError(f"rollout actors failed {restarts} times in one rollout call "
                                              f"(scale.max_actor_restarts = {self.max_restarts})")
-                self._replace(actor)
                 start, end = bounds[shard]
                 self._counts["scale/groups_rerun"] += end - start
                 ref = self._submit(shard, actor, bounds[shard], tasks, params, group_offset)
