@@ -18,6 +18,8 @@ Ray actors start once per worker count and are reused (their start-up, ~10-30 s,
 
 from __future__ import annotations
 
+# ruff: noqa: E402 - the repository root goes on sys.path before tests.scale_envs is imported
+
 import argparse
 import json
 import os
@@ -30,19 +32,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
+from tests.scale_envs import echo_tasks
 
-from tamer.config import load_config  # noqa: E402
-from tamer.models import build_char_tokenizer, build_tiny_model, stop_token_ids  # noqa: E402
-from tamer.pipeline import RunConfig  # noqa: E402
-from tamer.rewards import RewardComposer  # noqa: E402
-from tamer.rollout.agent import AgentConfig  # noqa: E402
-from tamer.rollout.engine import HFEngine  # noqa: E402
-from tamer.rollout.runner import Rollout  # noqa: E402
-from tamer.rollout.types import SamplingParams  # noqa: E402
-from tamer.scale.ray_rollout import RayRollout, WorkerSpec, start_ray  # noqa: E402
-from tamer.trainers.rl import RLTrainer  # noqa: E402
-from tests.scale_envs import echo_tasks  # noqa: E402
+from tamer.config import load_config
+from tamer.models import build_char_tokenizer, build_tiny_model, stop_token_ids
+from tamer.pipeline import RunConfig
+from tamer.rewards import RewardComposer
+from tamer.rollout.agent import AgentConfig
+from tamer.rollout.engine import HFEngine
+from tamer.rollout.runner import Rollout
+from tamer.rollout.types import SamplingParams
+from tamer.scale.ray_rollout import RayRollout, WorkerSpec, start_ray
+from tamer.trainers.rl import RLTrainer
 
 TINY = ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2",
         "model.tiny.intermediate_size=128"]
@@ -132,10 +134,12 @@ def main() -> None:
     print(json.dumps({
         "conditions": {"tool_ms_per_call": args.tool_ms, "turns_per_episode": 3, "episodes_per_batch":
                        args.prompts * args.group, "env_threads": args.env_threads, "steps_timed": args.steps,
-                       "repeats": args.repeats, "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+                       "repeats": args.repeats, "cpus": os.cpu_count(),
+                       "machine": platform.processor() or platform.machine(),
                        "torch": torch.__version__},
         "rollout_episodes_per_s": {name: summary(v) for name, v in rollout_runs.items()},
-        "training": {name: {key: summary([r[key] for r in runs]) for key in runs[0]} for name, runs in train_runs.items()},
+        "training": {name: {key: summary([r[key] for r in runs]) for key in runs[0]}
+                     for name, runs in train_runs.items()},
     }, indent=1))
 
 

@@ -55,7 +55,8 @@ class ScaleConfig:
         if self.rollout_timeout_s <= 0:
             raise FieldError("rollout_timeout_s", f"expected > 0 seconds, got {self.rollout_timeout_s}")
         if self.object_store_mb and self.object_store_mb < 80:
-            raise FieldError("object_store_mb", f"Ray needs at least 80 MB (0: Ray's default), got {self.object_store_mb}")
+            raise FieldError("object_store_mb",
+                             f"Ray needs at least 80 MB (0: Ray's default), got {self.object_store_mb}")
 
     @property
     def strategy(self) -> str:

@@ -23,6 +23,7 @@ continues from the last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -39,7 +40,7 @@ from tamer.errors import RunError
 STOP_FILE_ENV = "TAMER_STOP_FILE"  # rank 0 stops between steps once this file exists
 
 
-class RankFailure(RunError):
+class LearnerRankError(RunError):
     """A learner rank died (crash, OOM, killed); the run stopped."""
 
 
@@ -58,7 +59,8 @@ def launch_ranks(config, model=None, tokenizer=None, *, resume: bool | str = Fal
     if model is not None:  # the ranks load the model they are given from disk
         start = save_model(model, tokenizer, work / "start_model")
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(start)))
-    spec = {"config": to_dict(config), "resume": resume, "initial_eval": initial_eval, "result": str(work / "result.json")}
+    spec = {"config": to_dict(config), "resume": resume, "initial_eval": initial_eval,
+            "result": str(work / "result.json")}
     (work / "spec.json").write_text(json.dumps(spec, default=str))
     env = dict(os.environ, **{STOP_FILE_ENV: str(stop_file)})
     env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -80,7 +82,7 @@ def launch_ranks(config, model=None, tokenizer=None, *, resume: bool | str = Fal
         raise TrainingStopped("rl", result["step"], Path(result["checkpoint"]) if result["checkpoint"] else None,
                               signum=result.get("signum"), total_steps=config.rl.steps)
     if proc.returncode != 0 or result is None:
-        raise RankFailure(f"learner ranks failed (torchrun exit {proc.returncode}; the ranks' output is above); "
+        raise LearnerRankError(f"learner ranks failed (torchrun exit {proc.returncode}; the ranks' output is above); "
                           f"run the same command with --resume to continue from the last checkpoint in "
                           f"{Path(config.output_dir) / 'rl' / 'checkpoints'}")
     if model is not None:
@@ -92,10 +94,8 @@ def launch_ranks(config, model=None, tokenizer=None, *, resume: bool | str = Fal
 
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the CLI's process dies (Linux), so no rank is orphaned."""
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def stop_file_requested() -> bool:

@@ -165,7 +165,8 @@ class RayRollout:
 
         if not tasks:
             return []
-        bounds = [(int(b[0]), int(b[-1]) + 1) for b in torch.arange(len(tasks)).tensor_split(len(self.actors)) if len(b)]
+        splits = torch.arange(len(tasks)).tensor_split(len(self.actors))
+        bounds = [(int(b[0]), int(b[-1]) + 1) for b in splits if len(b)]
         results: list[list[Trajectory] | None] = [None] * len(bounds)
         pending = {self._submit(i, i, bounds[i], tasks, params, group_offset): (i, i) for i in range(len(bounds))}
         deadlines = {ref: time.monotonic() + self.timeout_s for ref in pending}

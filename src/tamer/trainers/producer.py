@@ -22,6 +22,7 @@ producer spent generating and idle and the learner waited (`async/*_s`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
 import threading
@@ -61,9 +62,10 @@ class Producer:
         self.sampler = copy.deepcopy(trainer.model).eval()  # the weights being sampled from
         if trainer.rollout is trainer.local_rollout:  # in process: a second engine on the copy
             engine = trainer.engine
-            self.rollout = Rollout(HFEngine(self.sampler, trainer.tokenizer.pad_token_id, max_batch=engine.max_batch,
-                                            precision=engine.precision, threads=engine.threads),
-                                   trainer.tokenizer, trainer.local_rollout.agent.config, seeding=trainer.config.sampling_seed)
+            engine = HFEngine(self.sampler, trainer.tokenizer.pad_token_id, max_batch=engine.max_batch,
+                              precision=engine.precision, threads=engine.threads)
+            self.rollout = Rollout(engine, trainer.tokenizer, trainer.local_rollout.agent.config,
+                                   seeding=trainer.config.sampling_seed)
         else:  # Ray actors (or another runner): the copy is what gets pushed to them
             self.rollout = trainer.rollout
         self.publish(trainer.step, trainer.model)
@@ -105,10 +107,8 @@ class Producer:
             self.stopped = True
             self.cond.notify_all()
         while self.thread.is_alive():
-            try:
+            with contextlib.suppress(queue.Empty):
                 self.queue.get_nowait()  # unblock a pending put
-            except queue.Empty:
-                pass
             self.thread.join(timeout=0.1)
 
     # ------------------------------------------------------------------ the thread
@@ -129,7 +129,7 @@ class Producer:
                         return
                 item.idle_s += time.perf_counter() - put
                 step += 1
-        except BaseException as err:  # noqa: BLE001 - handed to the learner, which raises it
+        except BaseException as err:
             self.queue.put(err)
 
     def _put(self, item: _Item) -> bool:
