@@ -19,7 +19,6 @@ Ray actors start once per worker count and are reused (their start-up, ~10-30 s,
 from __future__ import annotations
 
 # ruff: noqa: E402 - the repository root goes on sys.path before tests.scale_envs is imported
-
 import argparse
 import json
 import os

@@ -103,7 +103,10 @@ class RolloutWorker:
 
 def start_ray(address: str = "", num_cpus: int = 0, object_store_mb: int = 256) -> bool:
     """Join a running cluster (`address`) or start a local instance; True if this call started it."""
-    import ray
+    try:
+        import ray
+    except ImportError as err:
+        raise RunError('scale.rollout_workers needs Ray: pip install "tamer[scale]"') from err
 
     if ray.is_initialized():
         return False

@@ -18,6 +18,11 @@ docs/algorithms.md#on-policy); the sampler's logprobs then only feed
 separate engine). With μ > 1 old logprobs are the sampler's, or a learner forward when
 `recompute_old_logprobs` is set.
 
+Past one process (docs/scaling.md): the rollout may be a `tamer.scale.RayRollout` (same
+interface), the update runs through a `tamer.scale.learner.Learner` (DDP/FSDP2 ranks: row shards,
+all-reduced denominators), and with `max_staleness` k > 0 a producer thread samples up to k steps
+ahead (`tamer.trainers.producer`; docs/algorithms.md#off-policy-by-k). The defaults are this loop.
+
 Speed (docs/performance.md): the learner forwards each group's shared prompt once
 (`share_prompt_prefix`), the reference forward runs only when β > 0, and `precision: bf16`
 runs sampler and learner under bf16 autocast with fp32 master weights.
@@ -128,7 +133,7 @@ class RLConfig:
     checkpoint_every: int = 0  # steps between checkpoints; 0: no periodic checkpoints
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     seed: int = 0  # task order and sampling
-    sampling_seed: str = "batch"  # batch: one random stream per generate call | trajectory: one per trajectory (any split)
+    sampling_seed: str = "batch"  # batch: one stream per generate call | trajectory: one per trajectory (Ray workers' mode)
     max_staleness: int = 0  # k: a producer samples up to k steps ahead of the learner (decoupled PPO); 0: synchronous
 
     def __post_init__(self) -> None:
