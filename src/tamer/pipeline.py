@@ -11,6 +11,8 @@ share (`build_policy`, `evaluate_model`, `make_trainer`) are what `tamer compare
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tamer.config import to_dict
+from tamer.config import FieldError, to_dict
 from tamer.evaluate import EvalConfig, EvalReport, agent_metrics, demonstrator_accuracy, evaluate
 from tamer.jobguard import guarded_job, summary_on_stop
 from tamer.preference_config import PreferenceDemoConfig
@@ -36,6 +38,8 @@ from tamer.rollout.engines import rl_engine
 from tamer.rollout.runner import Rollout
 from tamer.rollout.vllm.config import VLLMConfig
 from tamer.rollout_log import RolloutRecorder
+from tamer.scale import ScaleConfig
+from tamer.scale.learner import Learner
 from tamer.storage import preflight, write_json
 from tamer.tasks import TaskConfig, get_task_source
 from tamer.tasks.base import Task, TaskSource
@@ -68,6 +72,12 @@ class RunConfig:
     preference: PreferenceDemoConfig = field(default_factory=PreferenceDemoConfig)  # `tamer demo --env preference`
     vllm: VLLMConfig = field(default_factory=VLLMConfig)  # the vLLM engine, when rl.engine = vllm
     tracking: TrackingConfig = field(default_factory=TrackingConfig)  # console and TensorBoard
+    scale: ScaleConfig = field(default_factory=ScaleConfig)  # Ray rollout workers and learner ranks (docs/scaling.md)
+
+    def __post_init__(self) -> None:
+        if self.scale.distributed and self.rl.critic.shared and self.rl.algorithm.advantage == "gae":
+            raise FieldError("scale.learner_ranks", "a critic sharing the policy's trunk (rl.critic.shared) needs "
+                                                    "one learner process; set rl.critic.shared=false")
 
 
 def seed_overrides(seed: int) -> list[str]:
@@ -117,12 +127,22 @@ def evaluate_model(model, tokenizer, tasks: list[Task], config: RunConfig,
 
 
 def make_trainer(config: RunConfig, model, tokenizer, *, tracker: Tracker | None = None,
-                 engine: GenerationEngine | None = None) -> RLTrainer:
-    """The RL trainer a run's config describes, on its task's train and held-out splits."""
+                 engine: GenerationEngine | None = None, learner: Learner | None = None) -> RLTrainer:
+    """The RL trainer a run's config describes, on its task's train and held-out splits.
+
+    With `scale.rollout_workers` > 0 (on rank 0) it rolls out on Ray actors, which always seed
+    per trajectory (`rl.sampling_seed: trajectory`) so that the split over actors changes nothing."""
     train, heldout = get_task_source(config.task).split()
-    return RLTrainer(model, tokenizer, train, heldout, RewardComposer(config.reward), config.rl, config.eval,
+    learner = learner or Learner()
+    rl, rollout = config.rl, None
+    if config.scale.rollout_workers and learner.is_main:
+        from tamer.scale.ray_rollout import RayRollout
+
+        rl = dataclasses.replace(rl, sampling_seed="trajectory")
+        rollout = RayRollout.from_run(config, model, tokenizer)
+    return RLTrainer(model, tokenizer, train, heldout, RewardComposer(config.reward), rl, config.eval,
                      run_dir=Path(config.output_dir) / "rl", tracker=tracker, agent=config.agent, engine=engine,
-                     rollout_log=config.tracking.rollouts)
+                     rollout_log=config.tracking.rollouts, rollout=rollout, learner=learner)
 
 
 # ---------------------------------------------------------------------------- jobs
@@ -171,25 +191,45 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool | str 
     """RL (GRPO family or PPO) from `model` or `config.model`; saves `output_dir/rl/model`.
 
     `resume`: True continues from the newest checkpoint in `output_dir/rl/checkpoints` (error
-    if none), "if-exists" only when there is one and then also reuses a finished RL phase."""
+    if none), "if-exists" only when there is one and then also reuses a finished RL phase.
+    With learner ranks (`scale.learner_ranks` > 1) the ranks run under torchrun (tamer.scale.launch)."""
+    if config.scale.distributed:
+        from tamer.scale.launch import launch_ranks
+
+        return launch_ranks(config, model, tokenizer, resume=resume, initial_eval=initial_eval)
+    return rl_job(config, model, tokenizer, resume=resume, initial_eval=initial_eval)
+
+
+def rl_job(config: RunConfig, model=None, tokenizer=None, *, resume: bool | str = False,
+           initial_eval: dict[str, float] | None = None, learner: Learner | None = None) -> dict[str, Any]:
+    """`run_rl`'s work in this process (one learner rank of `learner`; rank 0 logs and saves)."""
+    learner = learner or Learner()
     if model is None:
         model, tokenizer = build_policy(config.model, config.task)
     run_dir = Path(config.output_dir) / "rl"
     if resume == "if-exists" and (done := finished_phase(run_dir, "rl_steps", config.rl.steps, model)) is not None:
         return done
-    preflight(run_dir, model)
+    if learner.is_main:
+        preflight(run_dir, model)
     resuming = wants_resume(run_dir / "checkpoints", resume)
     seed_everything(config.rl.seed)
     start = time.perf_counter()
-    with tracker_for(config, "rl", config.rl.steps, "rl", append=resuming) as tracker, \
-            rl_engine(config.rl.engine, model, tokenizer, config.vllm) as engine:
-        trainer = make_trainer(config, model, tokenizer, tracker=tracker, engine=engine)
-        if resuming:
-            resume_trainer(trainer, run_dir / "checkpoints", tracker)
-        with summary_on_stop(run_dir / "summary.json", lambda: {"rl_steps": trainer.step, **trainer.last_eval}):
-            final = trainer.train(initial_eval)
+    with (tracker_for(config, "rl", config.rl.steps, "rl", append=resuming) if learner.is_main
+          else _quiet_tracker()) as tracker, rl_engine(config.rl.engine, model, tokenizer, config.vllm) as engine:
+        trainer = make_trainer(config, model, tokenizer, tracker=tracker if learner.is_main else None,
+                               engine=engine, learner=learner)
+        try:
+            if resuming:
+                resume_trainer(trainer, run_dir / "checkpoints", tracker)
+            with (summary_on_stop(run_dir / "summary.json", lambda: {"rl_steps": trainer.step, **trainer.last_eval})
+                  if learner.is_main else contextlib.nullcontext()):
+                final = trainer.train(initial_eval)
+        finally:
+            trainer.close()
         tracker.log_summary({"rl_steps": trainer.step, "rl_seconds": time.perf_counter() - start,
                              "reward_errors": trainer.rewards.total_errors, **final})
+    if not learner.is_main:
+        return {}
     plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "reward_accuracy.png",
                         title=f"{config.rl.algorithm.advantage} on {config.task.name}",
                         baselines=read_baselines(config.output_dir, demo=False))
@@ -199,6 +239,12 @@ def run_rl(config: RunConfig, model=None, tokenizer=None, *, resume: bool | str 
               "plot": str(plot), "reward_errors": trainer.rewards.total_errors, **final}
     write_json(run_dir / "summary.json", result)
     return result
+
+
+def _quiet_tracker():
+    from tamer.scale.launch import QuietTracker
+
+    return QuietTracker()
 
 
 def run_eval(config: RunConfig, show: int = 0) -> dict[str, Any]:

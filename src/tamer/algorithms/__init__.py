@@ -29,14 +29,17 @@ from tamer.algorithms.losses import (
     ppo,
     value_loss,
 )
+from tamer.algorithms.offpolicy import BEHAVIOUR_WEIGHTS, behaviour_weights
 from tamer.registry import bind
 
 __all__ = [
     "ADVANTAGES",
     "AGGREGATIONS",
+    "BEHAVIOUR_WEIGHTS",
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "aggregate",
+    "behaviour_weights",
     "bind",
     "critic_advantages",
     "dr_grpo",

@@ -10,6 +10,8 @@ through the tokenizer's chat template as tool message(s) and appended as tokens 
 tokens that were sampled. Generation is batched across every live trajectory of every
 task at each turn; the first turn samples all `n` attempts from one shared prompt prefix, and
 later turns prefill only what is new since the last turn (`SamplingParams.reuse_prefix`).
+With `env_threads > 1` the environment steps of one turn's episodes run concurrently in a
+thread pool (tools that wait on I/O, sandboxes, APIs); tokens and order are the same.
 
 Single-turn tasks (no environment) do not come here: `Rollout` samples them in one `generate` call.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -31,7 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from tamer.config import FieldError, check_name
 from tamer.models import encode_chat
 from tamer.rollout.engine import GenerationEngine
-from tamer.rollout.types import GenerationOutput, SamplingParams, Trajectory, Turn
+from tamer.rollout.types import GenerationOutput, SamplingParams, Trajectory, Turn, trajectory_seed
 from tamer.tasks.base import Task
 from tamer.tasks.env import ENVIRONMENTS, Environment, StepResult
 from tamer.tools.formats import TOOL_FORMATS, Observation, resolve_format, turn_decoder
@@ -47,9 +50,10 @@ class AgentConfig:
     show_tools: bool = True  # render tool schemas into the prompt (chat template `tools=`)
     tool_format: str = ""  # a name in tamer.tools.formats.TOOL_FORMATS; "" detects it from the chat template
     tool_isolation: str = "thread"  # thread | process: each episode's environment in a killable worker
+    env_threads: int = 1  # episodes whose environment steps run at once (threads); 1: one after another
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_total_tokens"):
+        for name in ("max_turns", "max_total_tokens", "env_threads"):
             if getattr(self, name) < 1:
                 raise FieldError(name, f"expected >= 1, got {getattr(self, name)}")
         if self.tool_format:
@@ -124,6 +128,7 @@ class _Episode:
     env: Environment
     group_id: int
     prompt_ids: list[int]
+    sample: int = 0  # index within the group (per-trajectory seeds)
     completion_ids: list[int] = dataclasses.field(default_factory=list)
     loss_mask: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -138,16 +143,17 @@ class AgentRollout:
     """Runs environment tasks as multi-turn episodes through a generation engine."""
 
     def __init__(self, engine: GenerationEngine, tokenizer: PreTrainedTokenizerBase, config: AgentConfig = AgentConfig(),
-                 env_factory: Callable[[Task], Environment] = default_env_factory) -> None:
+                 env_factory: Callable[[Task], Environment] = default_env_factory, seeding: str = "batch") -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.env_factory = env_factory
+        self.seeding = seeding  # "trajectory": each episode samples from its own stream (tamer.rollout.runner)
         self.render_tool = ToolMessageRenderer(tokenizer)
         self.stop_eos = tokenizer.eos_token_id
         self.tool_format = resolve_format(config.tool_format, tokenizer)
         self.decode_turn = turn_decoder(tokenizer, self.tool_format)
 
     def run(self, tasks: list[Task], params: SamplingParams, group_offset: int = 0) -> list[Trajectory]:
-        episodes = [self._start(task, group_offset + j) for j, task in enumerate(tasks) for _ in range(params.n)]
+        episodes = [self._start(task, group_offset + j, k) for j, task in enumerate(tasks) for k in range(params.n)]
         for turn in range(self.config.max_turns):
             live = [e for e in episodes if not e.done]
             if not live:
@@ -171,7 +177,7 @@ class AgentRollout:
             self._apply(episode, GenerationOutput(ids, [0.0] * len(ids), "stop"))
         return self._finish(episode)
 
-    def _start(self, task: Task, group_id: int) -> _Episode:
+    def _start(self, task: Task, group_id: int, sample: int = 0) -> _Episode:
         env = self.env_factory(task)
         if hasattr(env, "use_tool_format"):  # tool environments parse and answer in the model's format
             env.use_tool_format(self.tool_format)
@@ -182,32 +188,47 @@ class AgentRollout:
         if first:
             messages[-1]["content"] += "\n" + first
         tools = getattr(env, "tools", None) if self.config.show_tools else None
-        return _Episode(task, env, group_id, encode_chat(self.tokenizer, messages, tools=tools or None))
+        return _Episode(task, env, group_id, encode_chat(self.tokenizer, messages, tools=tools or None), sample)
 
     def _play_turn(self, live: list[_Episode], params: SamplingParams, turn: int) -> None:
         budget = max(1, min(params.max_new_tokens, min(self.config.max_total_tokens - len(e.completion_ids) for e in live)))
         turn_params = dataclasses.replace(params, n=1, max_new_tokens=budget, seed=params.seed + 7919 * turn,
                                           reuse_prefix=True)  # the next turn extends this one
+        if self.seeding == "trajectory":
+            seeds = tuple(trajectory_seed(turn_params.seed, e.group_id, e.sample) for e in live)
+            turn_params = dataclasses.replace(turn_params, row_seeds=seeds)
         if turn == 0:  # all attempts share the prompt: sample n per distinct task from one prefix
             heads = live[:: params.n]
             outputs = [o for group in self.engine.generate([e.prompt_ids for e in heads],
                                                            dataclasses.replace(turn_params, n=params.n)) for o in group]
         else:
             outputs = [g[0] for g in self.engine.generate([e.prompt_ids + e.completion_ids for e in live], turn_params)]
-        for episode, out in zip(live, outputs):
-            self._apply(episode, out)
+        texts = [self.decode_turn(out.token_ids) for out in outputs]
+        if self.config.env_threads > 1 and len(live) > 1:  # environments wait on tools: step them together
+            with ThreadPoolExecutor(min(self.config.env_threads, len(live)), thread_name_prefix="env") as pool:
+                results = list(pool.map(self._timed_step, [e.env for e in live], texts))
+        else:
+            results = [self._timed_step(e.env, text) for e, text in zip(live, texts)]
+        for episode, out, result in zip(live, outputs, results):
+            self._apply(episode, out, *result)
 
-    def _apply(self, episode: _Episode, out) -> None:
+    def _timed_step(self, env: Environment, text: str) -> tuple[StepResult, float]:
+        start = time.perf_counter()
+        result = self._step(env, text)
+        return result, time.perf_counter() - start
+
+    def _apply(self, episode: _Episode, out, result: StepResult | None = None, seconds: float = 0.0) -> None:
+        """Append a turn's sampled tokens, the environment's answer to them (stepped here unless
+        `result` is given) and the tool message's tokens."""
+        if result is None:
+            result, seconds = self._timed_step(episode.env, self.decode_turn(out.token_ids))
         episode.completion_ids += out.token_ids
         episode.loss_mask += [1] * len(out.token_ids)
         episode.logprobs += list(out.logprobs)
         version = getattr(out, "weight_version", None)
         if version is not None:  # the oldest weights any turn was sampled with
             episode.weight_version = version if episode.weight_version is None else min(episode.weight_version, version)
-        text = self.decode_turn(out.token_ids)
-        start = time.perf_counter()
-        result = self._step(episode.env, text)
-        record = Turn(generated=len(out.token_ids), env_reward=result.reward, seconds=time.perf_counter() - start)
+        record = Turn(generated=len(out.token_ids), env_reward=result.reward, seconds=seconds)
         for call in result.info.get("turn_calls", []):
             record.tool_calls.append({"name": call.get("name"), "arguments": call.get("arguments")})
             if not call.get("ok", True):

@@ -84,12 +84,14 @@ def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torc
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row from `logits` (B, V); return (tokens, logprobs) (B,).
 
     Logprobs are those of the distribution actually sampled from (after temperature and
-    top-p), which is what π_old means for the learner.
+    top-p), which is what π_old means for the learner. `uniforms` (B, 1), when given, are the
+    rows' draws (per-row streams, `SamplingParams.row_seeds`); else they come from `generator`.
     """
     logits = logits.float()
     if params.greedy:
@@ -99,11 +101,17 @@ def sample_tokens(
     logprobs = torch.log_softmax(logits / params.temperature if params.temperature != 1.0 else logits, dim=-1)
     if params.top_p < 1.0:
         logprobs = _top_p_filter(logprobs, params.top_p)
-    tokens = _inverse_cdf_sample(logprobs.exp(), generator)
+    tokens = _inverse_cdf_sample(logprobs.exp(), generator, uniforms)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def row_uniforms(row_seeds: tuple[int, ...] | list[int], steps: int) -> torch.Tensor:
+    """(rows, steps) float32 draws, row r from its own generator seeded with `row_seeds[r]`."""
+    return torch.stack([torch.rand(steps, generator=torch.Generator().manual_seed(s)) for s in row_seeds])
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None,
+                        u: torch.Tensor | None = None) -> torch.Tensor:
     """One token per row of `probs` (B, V): the first index whose cumulative mass exceeds u · total.
 
     The same distribution as `torch.multinomial(probs, 1)` with one uniform draw per row; on CPU
@@ -111,7 +119,10 @@ def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) 
     vocabulary, once per decode step). Zero-probability tokens are never chosen.
     """
     cdf = probs.cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)
+    if u is None:
+        u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=cdf.dtype)
+    else:
+        u = u.to(device=probs.device, dtype=cdf.dtype)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
     return tokens.clamp_(max=probs.shape[-1] - 1)
 
@@ -155,6 +166,8 @@ class HFEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[GenerationOutput]]:
         generator = torch.Generator().manual_seed(params.seed)
+        if params.row_seeds and len(params.row_seeds) != len(prompts) * params.n:
+            raise ValueError(f"row_seeds: expected {len(prompts) * params.n} (prompts x n), got {len(params.row_seeds)}")
         per_chunk = max(1, self.max_batch // params.n)
         outputs: list[list[GenerationOutput]] = []
         entries: list[PrefixEntry] | None = [] if params.reuse_prefix else None
@@ -162,14 +175,15 @@ class HFEngine:
             if self.fast is not None:
                 self.fast.refresh()  # the current weights, fused (see FastDecoder.refresh)
             for start in range(0, len(prompts), per_chunk):
-                outputs.extend(self._generate_chunk(prompts[start:start + per_chunk], params, generator, entries))
+                seeds = params.row_seeds[start * params.n:(start + per_chunk) * params.n]
+                outputs.extend(self._generate_chunk(prompts[start:start + per_chunk], params, generator, entries, seeds))
         self.prefix_store.replace(entries or [])
         return outputs
 
     @torch.inference_mode()
     def _generate_chunk(
         self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator,
-        entries: list[PrefixEntry] | None = None,
+        entries: list[PrefixEntry] | None = None, row_seeds: tuple[int, ...] = (),
     ) -> list[list[GenerationOutput]]:
         was_training = self.model.training
         self.model.eval()
@@ -190,7 +204,8 @@ class HFEngine:
             mask = row_mask
             if params.n > 1:
                 positions = positions.repeat_interleave(params.n, dim=0)
-            tokens, logprobs = self._decode(logits, step_fn, mask, positions[:, -1], params, generator)
+            uniforms = row_uniforms(row_seeds, params.max_new_tokens) if row_seeds else None
+            tokens, logprobs = self._decode(logits, step_fn, mask, positions[:, -1], params, generator, uniforms)
         self.model.train(was_training)
         outputs = self._collect(tokens, logprobs, len(prompts), params)
         if entries is not None:
@@ -227,7 +242,7 @@ class HFEngine:
             return self.fast.decode(tokens, pos, kv, key_mask)
         return kv, logits, step
 
-    def _decode(self, logits, step_fn, prompt_mask, last_pos, params, generator):
+    def _decode(self, logits, step_fn, prompt_mask, last_pos, params, generator, uniforms=None):
         """Sample up to max_new_tokens per row; `step_fn(tokens, positions, k)` feeds the k-th tokens back.
 
         Rows that are done keep being fed (their tokens are pads and are thrown away), as HF
@@ -240,7 +255,8 @@ class HFEngine:
         logprobs_out = torch.zeros(batch, params.max_new_tokens, dtype=torch.float32, device=logits.device)
         steps = params.max_new_tokens
         for step in range(params.max_new_tokens):
-            tokens, logprobs = sample_tokens(logits, params, generator)
+            u = None if uniforms is None else uniforms[:, step:step + 1]
+            tokens, logprobs = sample_tokens(logits, params, generator, u)
             tokens = tokens.masked_fill(done, self.pad_token_id)
             tokens_out[:, step] = tokens
             logprobs_out[:, step] = logprobs.masked_fill(done, 0.0)

@@ -27,10 +27,34 @@ class SamplingParams:
     # only from where it ends (multi-turn episodes). Engines with their own prefix caching
     # (vLLM) may ignore it.
     reuse_prefix: bool = False
+    # One seed per sampled row (len(prompts) * n, prompt-major): each row draws from its own
+    # random stream, so a row's tokens do not depend on which other rows share the call
+    # (`trajectory_seed`). Empty: one stream for the whole call, seeded with `seed`.
+    row_seeds: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def trajectory_seed(seed: int, group_id: int, sample: int) -> int:
+    """The seed of one trajectory's random stream: a hash (splitmix64) of (seed, group, sample).
+
+    A function of the trajectory's identity only, so that splitting groups over workers, or
+    over generate calls, draws the same tokens for it.
+    """
+    x = 0
+    for part in (seed, group_id, sample):
+        x = (x ^ (part & _MASK64)) * 0x9E3779B97F4A7C15 & _MASK64
+        x ^= x >> 30
+        x = x * 0xBF58476D1CE4E5B9 & _MASK64
+        x ^= x >> 27
+        x = x * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 31
+    return x & (2**63 - 1)
+
+
+_MASK64 = 2**64 - 1
 
 
 @dataclass
@@ -72,6 +96,7 @@ class Trajectory:
     rewards: dict[str, float] = field(default_factory=dict)  # per reward function, unweighted
     info: dict[str, Any] = field(default_factory=dict)  # environment facts: cost, success, ...
     weight_version: int | None = None  # engine weight version that sampled it (oldest turn's; None: not tracked)
+    policy_version: int = 0  # the weights that sampled it: the learner's step count at sampling time
 
     @property
     def num_generated(self) -> int:

@@ -30,6 +30,7 @@ class Batch:
     sampler_logprobs: torch.Tensor | None = None  # (B, T) float32, the engine's, when old ones are recomputed
     old_values: torch.Tensor | None = None  # (B, T) float32, PPO's critic at rollout time
     returns: torch.Tensor | None = None  # (B, T) float32, PPO's value targets
+    behaviour_logprobs: torch.Tensor | None = None  # (B, T) float32, the sampler's logprobs when off-policy by k
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -13,6 +13,10 @@ The critic implements the trainer's advantage interface (`tamer.trainers.advanta
     critic.compute(batch)                     # batch.old_values, batch.advantages, batch.returns
     metrics = critic.update(mini)             # one optimizer step of the value loss
 
+With learner ranks (`tamer.scale.learner`) the separate critic is wrapped like the policy (DDP
+or FSDP2), each rank updates on its row shard and the value loss's denominator is all-reduced;
+a shared trunk needs one process.
+
 Formulas: docs/algorithms.md#ppo-with-a-critic.
 """
 
@@ -26,6 +30,7 @@ from transformers import PreTrainedModel
 
 from tamer.algorithms import critic_advantages, kl_penalty, value_loss
 from tamer.config import FieldError
+from tamer.scale.learner import Learner
 from tamer.trainers.batch import Batch, micro_batches
 from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler
 
@@ -77,11 +82,17 @@ class ValueModel(torch.nn.Module):
 class Critic:
     """PPO's advantage: values for GAE and a value-loss update, on a separate or a shared trunk."""
 
-    def __init__(self, policy: PreTrainedModel, config: CriticConfig, total_updates: int, micro_batch_tokens: int) -> None:
+    def __init__(self, policy: PreTrainedModel, config: CriticConfig, total_updates: int, micro_batch_tokens: int,
+                 learner: Learner | None = None) -> None:
         self.config = config
         self.needs_reference = config.kl_in_reward > 0  # the KL penalty in the reward needs π_ref
+        self.learner = learner or Learner()
+        if config.shared and self.learner.world > 1:
+            raise ValueError("critic.shared: a value head on the policy's trunk needs one learner process "
+                             "(scale.learner_ranks = 1); use a separate critic with learner ranks")
         trunk = policy.get_decoder() if config.shared else copy.deepcopy(policy.get_decoder())
-        self.model = ValueModel(trunk, policy.config.hidden_size)
+        self.wrapped = self.learner.wrap(ValueModel(trunk, policy.config.hidden_size), lambda m: m)
+        self.model = self.wrapped.module  # the value model (under fsdp2: sharded); forwards go through `wrapped`
         params = list(self.model.head.parameters()) if config.shared else list(self.model.parameters())
         # A shared trunk is stepped by the policy's optimizer too; the critic's owns the head only.
         self.optimizer = make_optimizer(_Params(params), config.optim)
@@ -97,12 +108,14 @@ class Critic:
         return list(self.model.parameters())
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        """Full (unsharded) state; collective under FSDP2 (every rank calls it)."""
+        return {"model": self.learner.module_state(self.wrapped),
+                "optimizer": self.learner.checkpoint_optimizer(self.wrapped, self.optimizer).state_dict(),
                 "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.learner.load_module_state(self.wrapped, state["model"])
+        self.learner.checkpoint_optimizer(self.wrapped, self.optimizer, gather=False).load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     def compute(self, batch: Batch) -> None:
@@ -119,23 +132,25 @@ class Critic:
         rows = max(1, self.micro_batch_tokens // max(1, batch.input_ids.shape[1]))
         for start in range(0, len(batch), rows):
             sl = slice(start, start + rows)
-            out[sl] = self.model(batch.input_ids[sl], batch.attention_mask[sl]) * batch.loss_mask[sl]
+            out[sl] = self.wrapped.forward(batch.input_ids[sl], batch.attention_mask[sl]) * batch.loss_mask[sl]
         return out
 
     def update(self, mini: Batch) -> dict[str, float]:
         """One optimizer step of the clipped value loss on a mini-batch."""
         clip = self.config.value_clip_eps or None
-        total = max(1.0, float(mini.loss_mask.sum()))
+        total = max(1.0, self.learner.all_reduce_sum(float(mini.loss_mask.sum())))  # global: every rank's tokens
         sums = {"critic/value_loss": 0.0, "critic/value_clip_frac": 0.0}
-        for micro in micro_batches(mini, self.micro_batch_tokens):
+        micros = [m for m in micro_batches(mini, self.micro_batch_tokens) if float(m.loss_mask.sum()) > 0]
+        micros = self.learner.pad_micro_batches(micros, mini)
+        for i, micro in enumerate(micros):
             share = float(micro.loss_mask.sum()) / total
-            if share == 0:
-                continue
-            values = self.model(micro.input_ids, micro.attention_mask)
-            loss, metrics = value_loss(values, micro.old_values, micro.returns, micro.loss_mask, clip_eps=clip)
-            (loss * share).backward()
+            with self.learner.accumulate(self.wrapped, last=i == len(micros) - 1):
+                values = self.wrapped.forward(micro.input_ids, micro.attention_mask)
+                loss, metrics = value_loss(values, micro.old_values, micro.returns, micro.loss_mask, clip_eps=clip)
+                (loss * share * self.learner.grad_scale).backward()
             sums["critic/value_loss"] += loss.item() * share
             sums["critic/value_clip_frac"] += float(metrics["value_clip_frac"]) * share
+        sums = self.learner.all_reduce_metrics(sums)
         sums["critic/grad_norm"] = clip_and_step(_Params(self.optimizer.param_groups[0]["params"]), self.optimizer,
                                                  self.scheduler, self.config.optim.max_grad_norm)
         return sums

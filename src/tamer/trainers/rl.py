@@ -18,6 +18,11 @@ docs/algorithms.md#on-policy); the sampler's logprobs then only feed
 separate engine). With μ > 1 old logprobs are the sampler's, or a learner forward when
 `recompute_old_logprobs` is set.
 
+Past one process (docs/scaling.md): the rollout may be a `tamer.scale.RayRollout` (same
+interface), the update runs through a `tamer.scale.learner.Learner` (DDP/FSDP2 ranks: row shards,
+all-reduced denominators), and with `max_staleness` k > 0 a producer thread samples up to k steps
+ahead (`tamer.trainers.producer`; docs/algorithms.md#off-policy-by-k). The defaults are this loop.
+
 Speed (docs/performance.md): the learner forwards each group's shared prompt once
 (`share_prompt_prefix`), the reference forward runs only when β > 0, and `precision: bf16`
 runs sampler and learner under bf16 autocast with fp32 master weights.
@@ -35,8 +40,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.algorithms import (
-    ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, bind, get_policy_loss_fn, kl_penalty,
-    masked_mean, zero_spread_groups,
+    ADVANTAGES, AGGREGATIONS, BEHAVIOUR_WEIGHTS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, behaviour_weights, bind,
+    get_policy_loss_fn, kl_penalty, masked_mean, zero_spread_groups,
 )
 from tamer.algorithms.mismatch import truncated_importance_weights
 from tamer.checkpoint import load_checkpoint, save_checkpoint
@@ -49,7 +54,8 @@ from tamer.rollout.engine import GenerationEngine, HFEngine
 from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams, Trajectory
 from tamer.rollout_log import RolloutLogConfig, RolloutRecorder
-from tamer.stopping import TrainingStopped, stop_requested
+from tamer.scale.learner import CallModule, Learner
+from tamer.stopping import TrainingStopped
 from tamer.tasks.base import Task, TaskPool
 from tamer.trainers.advantage import Advantage, GroupAdvantage
 from tamer.trainers.batch import Batch, collate, micro_batches
@@ -57,6 +63,7 @@ from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, ma
 from tamer.trainers.critic import Critic, CriticConfig
 
 DYNAMIC_SAMPLING = ("off", "drop", "refill")
+SAMPLING_SEEDS = ("batch", "trajectory")
 CRITIC_ADVANTAGES = ("gae",)  # estimators that need PPO's value model
 
 
@@ -77,6 +84,8 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     dynamic_sampling: str = "off"  # off | drop (zero-spread groups) | refill (DAPO)
     max_refill_rounds: int = 4  # refill: extra rollout rounds per step at most
+    behaviour_weight: str = "truncate"  # rl.max_staleness > 0: π_prox/π_behav per token, truncate (TIS) | mask | off
+    behaviour_weight_cap: float = 2.0  # C of the behaviour weight: min(ρ, C), or 0 past C for mask
 
     def __post_init__(self) -> None:
         check_name("advantage", self.advantage, ADVANTAGES.names() + list(CRITIC_ADVANTAGES), "advantage estimator")
@@ -84,6 +93,9 @@ class AlgorithmConfig:
         check_name("aggregation", self.aggregation, AGGREGATIONS, "aggregation")
         check_name("kl_estimator", self.kl_estimator, KL_ESTIMATORS, "KL estimator")
         check_name("dynamic_sampling", self.dynamic_sampling, DYNAMIC_SAMPLING, "dynamic sampling mode")
+        check_name("behaviour_weight", self.behaviour_weight, BEHAVIOUR_WEIGHTS, "behaviour weight")
+        if self.behaviour_weight_cap <= 0:
+            raise FieldError("behaviour_weight_cap", f"expected > 0, got {self.behaviour_weight_cap}")
         if self.kl_coef < 0:
             raise FieldError("kl_coef", f"expected >= 0, got {self.kl_coef}")
         if not 0 <= self.clip_eps_low < 1:
@@ -126,6 +138,8 @@ class RLConfig:
     checkpoint_every: int = 0  # steps between checkpoints; 0: no periodic checkpoints
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     seed: int = 0  # task order and sampling
+    sampling_seed: str = "batch"  # batch: one stream per generate call | trajectory: one per trajectory (Ray workers' mode)
+    max_staleness: int = 0  # k: a producer samples up to k steps ahead of the learner (decoupled PPO); 0: synchronous
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "ppo_epochs", "mini_batches",
@@ -152,9 +166,15 @@ class RLConfig:
                 raise FieldError(name, f"expected >= 0, got {getattr(self, name)}")
         check_name("precision", self.precision, PRECISIONS, "precision")
         check_name("engine", self.engine, ("hf", "vllm"), "engine")
+        if self.tis_cap and self.max_staleness > 0:
+            raise FieldError("tis_cap", "with max_staleness > 0 the behaviour weights already correct for the sampler "
+                                        "(π_behav is the sampler's); set tis_cap=0")
         if self.tis_cap and self.tis_cap < 1:
             raise FieldError("tis_cap", f"expected 0 (off) or >= 1, got {self.tis_cap}")
         check_name("tis_level", self.tis_level, ("token", "sequence"), "TIS level")
+        check_name("sampling_seed", self.sampling_seed, SAMPLING_SEEDS, "sampling seed mode")
+        if self.max_staleness < 0:
+            raise FieldError("max_staleness", f"expected >= 0 (0: synchronous), got {self.max_staleness}")
 
     @property
     def on_policy(self) -> bool:
@@ -167,10 +187,10 @@ class RLConfig:
         return self.steps * self.ppo_epochs * self.mini_batches
 
 
-def make_advantage(config: RLConfig, policy: PreTrainedModel) -> Advantage:
+def make_advantage(config: RLConfig, policy: PreTrainedModel, learner: Learner | None = None) -> Advantage:
     """The advantage step `config` names: PPO's critic, or a group-relative estimator."""
     if config.algorithm.advantage in CRITIC_ADVANTAGES:
-        return Critic(policy, config.critic, config.total_updates, config.micro_batch_tokens)
+        return Critic(policy, config.critic, config.total_updates, config.micro_batch_tokens, learner=learner)
     return GroupAdvantage(config.algorithm.advantage, config.algorithm)
 
 
@@ -197,6 +217,8 @@ class RLTrainer:
         engine: GenerationEngine | None = None,
         agent: AgentConfig = AgentConfig(),
         rollout_log: RolloutLogConfig | None = None,
+        rollout: Rollout | None = None,
+        learner: Learner | None = None,
     ) -> None:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.heldout, self.rewards, self.eval_config = heldout_tasks, rewards, eval_config
@@ -205,19 +227,28 @@ class RLTrainer:
         self.engine = engine or HFEngine(model, tokenizer.pad_token_id, max_batch=config.generation_batch,
                                         precision=config.precision, threads=config.rollout_threads,
                                         fast=config.fast_forward)
-        self.rollout = Rollout(self.engine, tokenizer, agent)
+        # In-process generation, or another runner with Rollout's interface (tamer.scale.RayRollout).
+        self.local_rollout = Rollout(self.engine, tokenizer, agent, seeding=config.sampling_seed)
+        self.rollout = rollout or self.local_rollout
         self.stop_ids = stop_token_ids(tokenizer)
-        self.optimizer = make_optimizer(model, config.optim)
+        # The strategy (tamer.scale.learner): one process, DDP or FSDP2 ranks; the loss runs through
+        # `policy.forward`, the optimizer steps `policy.module` (the model itself in one process).
+        self.learner = learner or Learner()
+        self.policy = self.learner.wrap(model, lambda m: CallModule(m, self._logprobs))
+        self.optimizer = make_optimizer(self.policy.module, config.optim)
         self.scheduler = make_scheduler(self.optimizer, config.optim, config.total_updates)
-        self.advantage = make_advantage(config, model)
+        self.advantage = make_advantage(config, model, self.learner)
         needs_ref = config.algorithm.kl_coef > 0 or self.advantage.needs_reference
         self.ref_model = self._frozen_copy(model) if needs_ref else None
         self.policy_loss = bind(get_policy_loss_fn(config.algorithm.policy_loss), config.algorithm)
+        self.behaviour_weights = bind(behaviour_weights, config.algorithm)
         self.step = 0
         self.timings: dict[str, float] = {}  # seconds per phase of the current step (time/* metrics)
         self.last_eval: dict[str, float] = {}
         self._reported_reward_error = False
-        self.recorder = RolloutRecorder(rollout_log, tokenizer, rewards, tracker) if rollout_log else None
+        self.recorder = RolloutRecorder(rollout_log, tokenizer, rewards, tracker) \
+            if rollout_log and self.learner.is_main else None
+        self.producer = None  # rl.max_staleness > 0: the thread that samples ahead (tamer.trainers.producer)
 
     @staticmethod
     def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
@@ -247,7 +278,7 @@ class RLTrainer:
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 metrics.update(self.evaluate())  # 6: held-out evaluation
             self._log(metrics, step)
-            stop = stop_requested() and step < cfg.steps  # SIGTERM/SIGINT: checkpoint, then stop
+            stop = self.learner.should_stop() and step < cfg.steps  # SIGTERM/SIGINT: checkpoint, then stop
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or stop:
                 saved = self.save_checkpoint()
             if stop:
@@ -261,8 +292,8 @@ class RLTrainer:
         forwards), forward_backward, optimizer; rollout_s and update_s are its two halves.
         """
         step, self.timings = self.step + 1, {}
-        with self._timed("rollout"):
-            trajectories, metrics = self.collect(step)  # 1-3: sample, roll out, score
+        with self._timed("rollout"):  # 1-3: sample, roll out, score (rank 0; the other ranks receive them)
+            trajectories, metrics = self.learner.broadcast(self._next_rollouts(step) if self.learner.is_main else None)
         with self._timed("update"):
             if trajectories:
                 batch = self.make_batch(trajectories)  # 4: advantages (+ reference logprobs)
@@ -271,7 +302,19 @@ class RLTrainer:
                         self.recorder.on_batch(step, trajectories, batch, lambda b: self._no_grad_logprobs(self.model, b))
                 metrics |= self.update(batch, step) | self._token_counts(batch)  # 5: μ inner updates
         self.step = step
+        if self.producer is not None:  # the new weights, for batches sampled from now on
+            self.producer.publish(step, self.model)
         return metrics | self._step_metrics(skipped=not trajectories)
+
+    def _next_rollouts(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """This step's scored trajectories: collected now, or taken from the producer (rl.max_staleness > 0)."""
+        if self.config.max_staleness == 0:
+            return self.collect(step)
+        if self.producer is None:
+            from tamer.trainers.producer import Producer
+
+            self.producer = Producer(self, start_step=step)
+        return self.producer.take(step)
 
     def _step_metrics(self, skipped: bool) -> dict[str, float]:
         out = {f"time/{name}_s": seconds for name, seconds in self.timings.items()}
@@ -292,12 +335,13 @@ class RLTrainer:
                 "tokens/learner": completions + (unique_prompts if shared else float(batch.prompt_lengths.sum()))}
 
     @contextlib.contextmanager
-    def _timed(self, name: str):
+    def _timed(self, name: str, timings: dict[str, float] | None = None):
+        timings = self.timings if timings is None else timings
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+            timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
     # ---------------------------------------------------------------- phases
     def sampling_params(self, step: int, round_: int = 0) -> SamplingParams:
@@ -306,24 +350,32 @@ class RLTrainer:
                               max_new_tokens=cfg.max_new_tokens, stop_token_ids=self.stop_ids,
                               seed=_step_seed(cfg.seed, step, round_))
 
-    def collect(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
-        """Roll out and score groups; with dynamic sampling keep only groups with spread."""
+    def collect(self, step: int, rollout: Rollout | None = None, version: int | None = None,
+                timings: dict[str, float] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
+        """Roll out and score groups; with dynamic sampling keep only groups with spread.
+
+        By default on this trainer's rollout at the current weights; the producer of an
+        off-policy run passes its own `rollout`, already at weights `version`, and `timings`."""
         cfg, mode = self.config, self.config.algorithm.dynamic_sampling
-        self.engine.sync_weights(self.model)
+        if rollout is None:
+            rollout, version = self.rollout, self.step
+            rollout.sync_weights(self.model, version)
         kept: list[Trajectory] = []
         seen: list[Trajectory] = []
         for round_ in range(1 + (cfg.algorithm.max_refill_rounds if mode == "refill" else 0)):
             missing = cfg.prompts_per_step - len(kept) // cfg.group_size
             tasks = self.pool.next_batch(missing)
-            with self._timed("generate"):
-                trajs = self.rollout.run(tasks, self.sampling_params(step, round_), group_offset=len(seen) // cfg.group_size)
-            with self._timed("score"):
+            with self._timed("generate", timings):
+                trajs = rollout.run(tasks, self.sampling_params(step, round_), group_offset=len(seen) // cfg.group_size)
+            with self._timed("score", timings):
                 self._score(trajs)
+            for t in trajs:
+                t.policy_version = version  # the weights that sampled it: after `version` updates
             seen += trajs
             kept += trajs if mode == "off" else self._with_spread(trajs)
             if mode != "refill" or len(kept) // cfg.group_size >= cfg.prompts_per_step:
                 break
-        return kept, self._rollout_metrics(seen, kept)
+        return kept, self._rollout_metrics(seen, kept) | rollout.metrics()
 
     def _score(self, trajs: list[Trajectory]) -> None:
         stats = self.rewards.score(trajs)
@@ -361,7 +413,9 @@ class RLTrainer:
             if self.ref_model is not None:
                 batch.ref_logprobs = self._no_grad_logprobs(self.ref_model, batch)
             batch.sampler_logprobs = batch.old_logprobs  # what the engine reported; old_logprobs may be recomputed
-            if self.config.recompute_old_logprobs:
+            if self.config.max_staleness > 0:  # the sampler's logprobs are π_behav; π_prox is the learner's
+                batch.behaviour_logprobs = batch.old_logprobs.clone()
+            if self.config.recompute_old_logprobs or (self.config.max_staleness > 0 and not self.config.on_policy):
                 batch.old_logprobs = self._no_grad_logprobs(self.model, batch)
             self.advantage.compute(batch)
         return batch
@@ -387,7 +441,7 @@ class RLTrainer:
     def update(self, batch: Batch, step: int) -> dict[str, float]:
         """μ passes over the batch, each split into mini-batches; one optimizer step per mini-batch."""
         cfg = self.config
-        self.model.train()
+        self.policy.forward.train()
         generator = torch.Generator().manual_seed(_step_seed(cfg.seed, step, 10_000))
         sums: dict[str, float] = {}
         updates = 0
@@ -397,27 +451,35 @@ class RLTrainer:
                 for key, value in self._mini_batch_step(batch.select(rows)).items():
                     sums[key] = sums.get(key, 0.0) + value
                 updates += 1
-        self.model.eval()
+        self.policy.forward.eval()
+        self.learner.publish(self.policy, self.model)  # FSDP2: the full weights back into the sampler's model
         return {key: value / updates for key, value in sums.items()}
 
     def _mini_batch_step(self, mini: Batch) -> dict[str, float]:
-        """Gradients of the loss over the mini-batch's micro-batches, the advantage's own update, one step."""
+        """Gradients of the loss over the mini-batch's micro-batches, the advantage's own update, one step.
+
+        With N learner ranks each takes a row shard (`learner.local`); the denominator is the
+        global count (all-reduced) and every rank runs as many micro-batches as the busiest one,
+        so the summed gradient is the one-rank gradient (docs/scaling.md#distributed-learner).
+        """
         seq_mode = self.config.algorithm.aggregation != "token-mean"
         count = (lambda b: float((b.loss_mask.sum(-1) > 0).sum())) if seq_mode else (lambda b: float(b.loss_mask.sum()))
-        total = max(count(mini), 1.0)
+        mini = self.learner.local(mini)
+        total = max(self.learner.all_reduce_sum(count(mini)), 1.0)
         sums: dict[str, float] = {}
-        for micro in micro_batches(mini, self.config.micro_batch_tokens):
+        micros = [m for m in micro_batches(mini, self.config.micro_batch_tokens) if count(m) > 0]
+        micros = self.learner.pad_micro_batches(micros, mini)
+        for i, micro in enumerate(micros):
             share = count(micro)  # the micro-batch's part of the mini-batch's denominator: share / total
-            if share == 0:
-                continue
-            with self._timed("forward_backward"):
+            with self._timed("forward_backward"), self.learner.accumulate(self.policy, last=i == len(micros) - 1):
                 loss, metrics = self.loss(micro)
-                (loss * share / total).backward()
+                (loss * share / total * self.learner.grad_scale).backward()
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * share / total
+        sums = self.learner.all_reduce_metrics(sums)
         sums.update(self.advantage.update(mini))  # the critic; before the step: a shared trunk's grads join it
         with self._timed("optimizer"):
-            sums["train/grad_norm"] = clip_and_step(self.model, self.optimizer, self.scheduler,
+            sums["train/grad_norm"] = clip_and_step(self.policy.module, self.optimizer, self.scheduler,
                                                     self.config.optim.max_grad_norm)
         return sums
 
@@ -425,7 +487,7 @@ class RLTrainer:
         """The micro-batch's loss (policy surrogate, aggregated, + β·KL) and its metrics."""
         alg = self.config.algorithm
         constant = alg.aggregation_constant or float(self.config.max_new_tokens)
-        logprobs = self._logprobs(self.model, micro)
+        logprobs = self.policy.forward(micro)
         old_logprobs = micro.old_logprobs
         metrics = {}
         if self.config.on_policy:  # π_old = π_θ: ρ = 1 in value, ∇ρ = ∇ log π_θ
@@ -433,7 +495,11 @@ class RLTrainer:
             gap = (logprobs.detach() - micro.old_logprobs).abs()
             metrics["train/sampler_logprob_gap"] = float(masked_mean(gap, micro.loss_mask))
         loss_matrix, parts = self.policy_loss(logprobs, old_logprobs, micro.advantages, micro.loss_mask)
-        if self.config.tis_cap:  # the engine sampled from π_sampler ≠ π_old: reweight (docs/algorithms.md#tis)
+        if micro.behaviour_logprobs is not None:  # off-policy by k: decoupled PPO's behaviour weight
+            weights, stats = self.behaviour_weights(old_logprobs, micro.behaviour_logprobs, micro.loss_mask)
+            loss_matrix = loss_matrix * weights
+            metrics.update({f"offpolicy/{k}": float(v) for k, v in stats.items()})
+        elif self.config.tis_cap:  # the engine sampled from π_sampler ≠ π_old: reweight (docs/algorithms.md#tis)
             weights, tis = truncated_importance_weights(old_logprobs, micro.sampler_logprobs, micro.loss_mask,
                                                         cap=self.config.tis_cap, level=self.config.tis_level)
             loss_matrix = loss_matrix * weights
@@ -449,10 +515,22 @@ class RLTrainer:
         metrics["train/loss"] = loss.item()
         return loss, metrics
 
+    def close(self) -> None:
+        """Stop the producer thread and the rollout workers, if any (idempotent)."""
+        if self.producer is not None:
+            self.producer.close()
+        close = getattr(self.rollout, "close", None)
+        if close is not None:
+            close()
+
     # ---------------------------------------------------------------- evaluation, checkpoints, logs
     def evaluate(self) -> dict[str, float]:
-        self.engine.sync_weights(self.model)
-        report = evaluate(self.rollout, self.heldout, self.eval_config, self.stop_ids)
+        if not self.learner.is_main:  # rank 0 evaluates and logs
+            return {}
+        # With a producer sampling ahead, evaluation runs here, on the learner's current weights.
+        rollout = self.rollout if self.config.max_staleness == 0 else self.local_rollout
+        rollout.sync_weights(self.model, self.step)
+        report = evaluate(rollout, self.heldout, self.eval_config, self.stop_ids)
         self.last_eval = report.metrics()
         if self.recorder is not None:
             self.recorder.on_eval(self.step, report.trajectories)
@@ -463,15 +541,23 @@ class RLTrainer:
             self.tracker.log(metrics, step)
 
     def save_checkpoint(self) -> Path:
-        state = {"pool": self.pool.state_dict(), "reward_errors": self.rewards.total_errors,
+        """Rank 0 writes the full model and optimizer state (gathered from every rank under FSDP2)."""
+        optimizer = self.learner.checkpoint_optimizer(self.policy, self.optimizer)
+        pool = self.producer.pool_state() if self.producer is not None else self.pool.state_dict()
+        state = {"pool": pool, "reward_errors": self.rewards.total_errors,
                  "last_eval": self.last_eval, "advantage": self.advantage.state_dict()}
-        return save_checkpoint(self.run_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
+        if not self.learner.is_main:
+            return self.run_dir / "checkpoints"
+        return save_checkpoint(self.run_dir / "checkpoints", self.step, model=self.model, optimizer=optimizer,
                                scheduler=self.scheduler, state=state, keep_last=self.config.keep_checkpoints,
                                tokenizer=self.tokenizer)
 
     def resume(self, path: str | Path) -> int:
         """Continue from a checkpoint directory; returns the step it resumes after."""
-        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        optimizer = self.learner.checkpoint_optimizer(self.policy, self.optimizer, gather=False)
+        state = load_checkpoint(path, model=self.model, optimizer=optimizer, scheduler=self.scheduler)
+        if self.policy.module is not self.model:  # FSDP2: shard the loaded weights into the learner's copy
+            self.learner.load_module_state(self.policy, self.model.state_dict())
         self.pool.load_state_dict(state["pool"])
         self.rewards.total_errors = state.get("reward_errors", 0)
         self.last_eval = state.get("last_eval", {})
