@@ -4,6 +4,7 @@
     tamer sft | train | eval             one phase of a run
     tamer compare | advise               GRPO vs PPO side by side; does my agent need RL, and which
     tamer view RUN_DIR                   a self-contained HTML page of a run's rollouts and curves
+    tamer export [--merge] MODEL -o OUT  a LoRA run's model merged into a standard HF model, or base + adapter
     tamer config show | list             the resolved config with each field's help; the presets
     tamer sandbox run | check            untrusted Python in a locked-down process
 
@@ -30,6 +31,7 @@ from tamer.advise import AdviseConfig, run_advise
 from tamer.compare import run_compare
 from tamer.config import ConfigError, describe, from_dict, load_config
 from tamer.errors import RunError
+from tamer.export import export_model
 from tamer.phases import PhaseError
 from tamer.pipeline import RunConfig, run_demo, run_eval, run_rl, run_sft, seed_overrides, write_json
 from tamer.presets import config_file, describe_preset, preset_names, preset_path
@@ -304,6 +306,19 @@ def view(
         pass
     finally:
         server.server_close()
+
+
+@app.command()
+def export(
+    source: Path = typer.Argument(..., help="A model directory: a run's OUTPUT_DIR/rl/model (LoRA or full) or any."),
+    output: Path = typer.Option(..., "--output", "-o", help="Directory to write."),
+    merge: bool = typer.Option(False, "--merge", help="Merge a LoRA adapter into its base: a standard Hugging Face "
+                               "model (AutoModelForCausalLM loads it alone). Without: OUTPUT/base + OUTPUT/adapter."),
+) -> None:
+    """Export a trained model: merged into a standard HF model, or as a base and a peft adapter (e.g. for vLLM)."""
+    path = _guard(lambda: export_model(source, output, merge=merge))
+    console.print(f"wrote {path}" + ("" if merge else f" (base: {path / 'base'}, adapter: {path / 'adapter'})"),
+                  soft_wrap=True, highlight=False)
 
 
 # ---------------------------------------------------------------------------- config
