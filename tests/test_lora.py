@@ -270,3 +270,24 @@ def test_critic_adapter_needs_a_lora_policy(tokenizer, tiny_model, tmp_path):
                  algorithm=AlgorithmConfig(advantage="gae"))
     with pytest.raises(ConfigError, match="rl.critic.adapter: the critic has its own adapter or shares"):
         load_config(RunConfig, [], ["rl.critic.adapter=true", "rl.critic.shared=true"])
+
+
+# ---------------------------------------------------------------------------- the CLI, end to end
+def test_cli_sft_then_rl_with_lora_then_export(tmp_path):
+    out = tmp_path / "run"
+    common = ["--set", "model.tiny.hidden_size=32", "--set", "model.tiny.num_layers=1", "--set", "model.lora.r=4",
+              "--set", "eval.size=4", "--set", "eval.max_new_tokens=4", "--set", "tracking.tensorboard=false",
+              "-o", str(out)]
+    runner = CliRunner()
+    result = runner.invoke(app, ["sft", "--set", "sft.steps=2", "--set", "sft.batch_size=4", *common])
+    assert result.exit_code == 0, result.output
+    assert (out / "sft" / "model" / "adapter_model.safetensors").is_file()
+    result = runner.invoke(app, ["train", "--model", str(out / "sft" / "model"), "--set", "rl.steps=1",
+                                 "--set", "rl.prompts_per_step=2", "--set", "rl.group_size=2",
+                                 "--set", "rl.max_new_tokens=4", "--set", "rl.algorithm.kl_coef=0.1", *common])
+    assert result.exit_code == 0, result.output
+    adapter = json.loads((out / "rl" / "model" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str((out / "sft" / "model").resolve())  # chained, not copied
+    result = runner.invoke(app, ["export", "--merge", str(out / "rl" / "model"), "-o", str(tmp_path / "merged")])
+    assert result.exit_code == 0, result.output
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True) is not None
