@@ -26,6 +26,7 @@ from tamer.models import (
     save_model,
     token_logprobs,
 )
+from tamer.models.fast_arch import unsupported_reason
 from tamer.models.lora import merged_state_dict
 from tamer.pipeline import RunConfig, build_policy
 from tamer.rewards import RewardComposer, RewardConfig
@@ -97,7 +98,11 @@ def test_rl_trains_only_the_adapter_and_the_reference_is_the_base(tokenizer, tin
     expected = token_logprobs(base, batch.input_ids, batch.attention_mask) * mask
     torch.testing.assert_close(batch.ref_logprobs * mask, expected, atol=1e-5, rtol=0)
     surrogate_before = _surrogate(trainer, batch)
-    trainer.update(batch, 1)
+    # A LoRA model takes the HF forward (the lean one refuses wrapped projections) for sampling and
+    # learning alike: the learner's logprobs are the sampler's.
+    assert unsupported_reason(model) is not None
+    metrics = trainer.update(batch, 1)
+    assert metrics["train/sampler_logprob_gap"] < 1e-5
     assert _surrogate(trainer, batch) > surrogate_before  # the step raised Σ A·log π on its own batch
     trainer.step = 1
     trainer.train()

@@ -88,7 +88,8 @@ def _saved_bytes(model, ids):
 
 
 @pytest.mark.parametrize("lora", [0, 8])
-@pytest.mark.parametrize("size", [dict(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=512),
+@pytest.mark.parametrize("size", [dict(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
+                                       intermediate_size=512),
                                   dict(hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
                                        intermediate_size=768, vocab_size=2000)])
 def test_activation_formula_matches_what_autograd_saves(size, lora):

@@ -329,8 +329,8 @@ def plan(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = Se
     shape, setup, estimate = _guard(lambda: plan_run(cfg, prompt_tokens, runtime_mb))
     options = what_fits(shape, setup, memory_gb)
     if as_json:
-        print(json.dumps({"memory_gb": memory_gb, "shape": dataclasses.asdict(shape), "setup": dataclasses.asdict(setup),
-                          "estimate": estimate.to_dict(), "options": options}))
+        print(json.dumps({"memory_gb": memory_gb, "shape": dataclasses.asdict(shape),
+                          "setup": dataclasses.asdict(setup), "estimate": estimate.to_dict(), "options": options}))
         return
     rows = [[name, f"{value:,.0f}"] for name, value in estimate.components.items()]
     rows += [[f"{estimate.phase} peak (transient)", f"{max(estimate.learner_mb, estimate.sampler_mb):,.0f}"],

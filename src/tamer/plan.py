@@ -166,24 +166,24 @@ def estimate(shape: Shape, s: Setup) -> Plan:
 
 def learner_activations_mb(shape: Shape, s: Setup) -> float:
     """Saved activations of one learner micro-batch, plus the logits' softmax and gradient."""
-    h, kv, i, V, L = shape.hidden, shape.kv_dim, shape.intermediate, shape.vocab, shape.layers
+    h, kv, i, vocab, layers = shape.hidden, shape.kv_dim, shape.intermediate, shape.vocab, shape.layers
     width = s.prompt_tokens + s.completion_tokens
     rows = max(1, min(s.prompts * s.group_size, s.micro_batch_tokens // max(1, width)))
     if s.share_prompt_prefix and rows > 1:
         unique = math.ceil(rows / s.group_size)
         tokens = unique * s.prompt_tokens + rows * s.completion_tokens
         logit_tokens = rows * s.completion_tokens
-        kv_copies = L * rows * s.prompt_tokens * 2 * kv  # each row's copy of its prompt's keys and values
+        kv_copies = layers * rows * s.prompt_tokens * 2 * kv  # each row's copy of its prompt's keys and values
     else:
         tokens, logit_tokens, kv_copies = rows * width, rows * width, 0
     if s.lora_r > 0:
         per_layer = 6 * h + 2 * kv + 4 * i + 7 * s.lora_r
     else:
         per_layer = 8 * h + 3 * kv + 4 * i
-    layers = tokens * (L * h + per_layer) if s.checkpointing else tokens * L * per_layer
+    kept = tokens * (layers * h + per_layer) if s.checkpointing else tokens * layers * per_layer
     act_bytes = 2 if (s.autocast_bf16 or s.weight_bytes == 2) else 4
-    saved = (layers + kv_copies) * act_bytes + logit_tokens * (V + 3 * h) * 4  # logits are upcast to float32
-    backward = 3 * logit_tokens * V * 4  # logsumexp and gather's backward: 3 float32 copies at its peak
+    saved = (kept + kv_copies) * act_bytes + logit_tokens * (vocab + 3 * h) * 4  # logits are upcast to float32
+    backward = 3 * logit_tokens * vocab * 4  # logsumexp and gather's backward: 3 float32 copies at its peak
     return (saved + backward) / MB
 
 
