@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from tamer.models import quiet_progress
+from tamer.models.lora import ADAPTER_WEIGHTS, DEFAULT, is_lora, set_adapter_state
 from tamer.storage import as_storage_error
 
 TRAINER_STATE = "trainer_state.pt"
@@ -127,7 +128,10 @@ def _unwrap(model: Any) -> Any:
 
 
 def _save_model(model: Any, out: Path) -> None:
-    if hasattr(model, "save_pretrained"):
+    if is_lora(model):  # the policy adapter only: the frozen base is rebuilt from the run's config
+        with quiet_progress():
+            model.save_pretrained(out, selected_adapters=[DEFAULT])
+    elif hasattr(model, "save_pretrained"):
         with quiet_progress():
             model.save_pretrained(out)
     else:
@@ -309,6 +313,8 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _load_model(path: Path, model: Any) -> None:
+    if is_lora(model) or (path / ADAPTER_WEIGHTS).is_file():
+        return _load_adapter(path, model)
     tensors = _read_weights(path)
     # strict=False because save_pretrained drops tied copies (lm_head == embed_tokens);
     # anything else missing or extra means the checkpoint is for another model.
@@ -319,6 +325,29 @@ def _load_model(path: Path, model: Any) -> None:
             f"{path}: weights do not match the model; missing {untied[:5]}"
             f"{'...' if len(untied) > 5 else ''}, unexpected {result.unexpected_keys[:5]}"
         )
+
+
+def _load_adapter(path: Path, model: Any) -> None:
+    """A LoRA checkpoint into a LoRA model: the adapter's weights (the base is the run's own)."""
+    from safetensors.torch import load_file
+
+    if not is_lora(model):
+        raise CheckpointError(f"{path}: holds a LoRA adapter but the model has none; set model.lora as the run "
+                              "that wrote it did")
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        raise CheckpointError(f"{path}: holds no LoRA adapter ({ADAPTER_WEIGHTS}) but the model is a LoRA model; "
+                              "set model.lora as the run that wrote it did")
+    try:
+        tensors = load_file(path / ADAPTER_WEIGHTS)
+    except Exception as err:
+        raise CorruptCheckpointError(f"{path}: adapter weights cannot be read ({err})") from err
+    try:
+        missing, unexpected = set_adapter_state(model, tensors)
+    except RuntimeError as err:  # a shape mismatch: another rank or model
+        raise CheckpointError(f"{path}: the adapter does not fit the model ({str(err).splitlines()[0][:200]})") from err
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: the adapter does not match the model; missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
 
 
 def _tied_keys(model: torch.nn.Module, loaded: set[str]) -> set[str]:

@@ -5,6 +5,8 @@
     tamer rm                             a Bradley–Terry reward model from preference pairs
     tamer compare | advise               GRPO vs PPO side by side; does my agent need RL, and which
     tamer view RUN_DIR                   a self-contained HTML page of a run's rollouts and curves
+    tamer export [--merge] MODEL -o OUT  a LoRA run's model merged into a standard HF model, or base + adapter
+    tamer plan [--memory-gb 24]          the peak memory of an RL step per device, and what fits
     tamer config show | list             the resolved config with each field's help; the presets
     tamer sandbox run | check            untrusted Python in a locked-down process
 
@@ -19,8 +21,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -31,10 +34,12 @@ from tamer.advise import AdviseConfig, run_advise
 from tamer.compare import run_compare
 from tamer.config import ConfigError, describe, from_dict, load_config
 from tamer.errors import RunError
+from tamer.export import export_model
 from tamer.phases import PhaseError
 from tamer.pipeline import RunConfig, run_demo, run_eval, run_rl, run_sft, seed_overrides, write_json
 from tamer.preference_demo import print_summary as print_preference_summary
 from tamer.preference_demo import run_preference_demo
+from tamer.plan import CPU_RUNTIME_MB, plan_run, what_fits
 from tamer.presets import config_file, describe_preset, preset_names, preset_path
 from tamer.progress import ProgressView
 from tamer.rlhf import calibration_table, run_rm
@@ -336,6 +341,49 @@ def view(
         pass
     finally:
         server.server_close()
+
+
+@app.command()
+def plan(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt, model: Optional[str] = ModelOpt,
+         imports: Optional[list[str]] = ImportOpt,
+         memory_gb: float = typer.Option(24.0, "--memory-gb", help="Memory of one device, GB: what fits in it."),
+         prompt_tokens: int = typer.Option(0, "--prompt-tokens", min=0, help="Longest prompt in tokens "
+                                           "(0: measured on the task's first 64 training prompts)."),
+         runtime_mb: float = typer.Option(CPU_RUNTIME_MB, "--runtime-mb", help="The process before any model: "
+                                          "Python, torch, transformers (CPU) or a CUDA context."),
+         as_json: bool = JsonOpt) -> None:
+    """Estimate the peak memory of one RL step of this config per device, and what fits in --memory-gb.
+
+    Counts the weights, the reference (none with LoRA: the same model with adapters off), the
+    critic, gradients, AdamW, the learner's activations for one micro-batch and the sampler's KV
+    cache (docs/memory_plan.md). Nothing is loaded: a model.path is read from its config.json."""
+    cfg = _guard(lambda: load_run_config(config, set_, imports, model=model))
+    shape, setup, estimate = _guard(lambda: plan_run(cfg, prompt_tokens, runtime_mb))
+    options = what_fits(shape, setup, memory_gb)
+    if as_json:
+        print(json.dumps({"memory_gb": memory_gb, "shape": dataclasses.asdict(shape),
+                          "setup": dataclasses.asdict(setup), "estimate": estimate.to_dict(), "options": options}))
+        return
+    rows = [[name, f"{value:,.0f}"] for name, value in estimate.components.items()]
+    rows += [[f"{estimate.phase} peak (transient)", f"{max(estimate.learner_mb, estimate.sampler_mb):,.0f}"],
+             ["total", f"{estimate.peak_mb:,.0f}"]]
+    _table(f"{estimate.parameters:,} parameters, {estimate.trainable:,} trained; {setup.prompts}x{setup.group_size} "
+           f"samples of {setup.prompt_tokens}+{setup.completion_tokens} tokens", ["part", "MB"], rows)
+    _table(f"one device with {memory_gb:g} GB", ["option", "peak MB", "fits"],
+           [[o["option"], f"{o['peak_mb']:,.0f}", "yes" if o["fits"] else "no"] for o in options])
+
+
+@app.command()
+def export(
+    source: Path = typer.Argument(..., help="A model directory: a run's OUTPUT_DIR/rl/model (LoRA or full) or any."),
+    output: Path = typer.Option(..., "--output", "-o", help="Directory to write."),
+    merge: bool = typer.Option(False, "--merge", help="Merge a LoRA adapter into its base: a standard Hugging Face "
+                               "model (AutoModelForCausalLM loads it alone). Without: OUTPUT/base + OUTPUT/adapter."),
+) -> None:
+    """Export a trained model: merged into a standard HF model, or as a base and a peft adapter (e.g. for vLLM)."""
+    path = _guard(lambda: export_model(source, output, merge=merge))
+    console.print(f"wrote {path}" + ("" if merge else f" (base: {path / 'base'}, adapter: {path / 'adapter'})"),
+                  soft_wrap=True, highlight=False)
 
 
 # ---------------------------------------------------------------------------- config

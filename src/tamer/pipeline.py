@@ -27,7 +27,7 @@ from tamer.evaluate import EvalConfig, EvalReport, agent_metrics, demonstrator_a
 from tamer.jobguard import guarded_job, summary_on_stop
 from tamer.preference_config import PreferenceDemoConfig
 from tamer.models import (
-    DTYPES, ModelConfig, build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, count_parameters, load_model,
+    DTYPES, apply_lora, fold_adapter, ModelConfig, build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, count_parameters, load_model,
     save_model, stop_token_ids,
 )
 from tamer.resume import finished_phase, resume_trainer, wants_resume
@@ -75,9 +75,10 @@ class RunConfig:
     scale: ScaleConfig = field(default_factory=ScaleConfig)  # Ray rollout workers and learner ranks (docs/scaling.md)
 
     def __post_init__(self) -> None:
-        if self.scale.distributed and self.rl.critic.shared and self.rl.algorithm.advantage == "gae":
-            raise FieldError("scale.learner_ranks", "a critic sharing the policy's trunk (rl.critic.shared) needs "
-                                                    "one learner process; set rl.critic.shared=false")
+        critic = self.rl.critic
+        if self.scale.distributed and (critic.shared or critic.adapter) and self.rl.algorithm.advantage == "gae":
+            raise FieldError("scale.learner_ranks", "a critic on the policy's trunk (rl.critic.shared or "
+                                                    "rl.critic.adapter) needs one learner process; set both to false")
 
 
 def seed_overrides(seed: int) -> list[str]:
@@ -91,14 +92,19 @@ def build_policy(config: ModelConfig, task: TaskConfig | None = None) -> tuple[P
     if config.threads:
         torch.set_num_threads(config.threads)
     if config.path:
-        return with_checkpointing(load_model(config.path, dtype=DTYPES[config.dtype]), config)
-    tokenizer = build_char_tokenizer()
-    if config.tokenizer == "bpe":
-        if task is None:
-            raise ValueError("model.tokenizer=bpe needs the task whose text it is trained on")
-        source = get_task_source(task)
-        tokenizer = build_bpe_tokenizer(demonstration_texts(source, source.split()[0], tokenizer), config.bpe_vocab_size)
-    return with_checkpointing((build_tiny_model(tokenizer, config.tiny).to(DTYPES[config.dtype]), tokenizer), config)
+        model, tokenizer = load_model(config.path, dtype=DTYPES[config.dtype])
+    else:
+        tokenizer = build_char_tokenizer()
+        if config.tokenizer == "bpe":
+            if task is None:
+                raise ValueError("model.tokenizer=bpe needs the task whose text it is trained on")
+            source = get_task_source(task)
+            tokenizer = build_bpe_tokenizer(demonstration_texts(source, source.split()[0], tokenizer),
+                                            config.bpe_vocab_size)
+        model = build_tiny_model(tokenizer, config.tiny).to(DTYPES[config.dtype])
+    if config.lora.enabled:  # adapters on the frozen base; the reference is the base (tamer.models.lora)
+        model = apply_lora(model, config.lora, base_source=config.path or None)
+    return with_checkpointing((model, tokenizer), config)
 
 
 def with_checkpointing(policy: tuple[PreTrainedModel, PreTrainedTokenizerBase], config: ModelConfig) -> tuple:
@@ -206,6 +212,8 @@ def rl_job(config: RunConfig, model=None, tokenizer=None, *, resume: bool | str 
     learner = learner or Learner()
     if model is None:
         model, tokenizer = build_policy(config.model, config.task)
+    elif config.model.lora.enabled:  # an adapter trained before (SFT) joins the base: RL's reference is the start
+        model = fold_adapter(model, config.model.lora)
     run_dir = Path(config.output_dir) / "rl"
     if resume == "if-exists" and (done := finished_phase(run_dir, "rl_steps", config.rl.steps, model)) is not None:
         return done

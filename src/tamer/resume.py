@@ -116,7 +116,10 @@ def finished_phase(phase_dir: str | os.PathLike, steps_key: str, steps: int, mod
         summary = json.loads(summary_path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if summary.get("stopped") or summary.get(steps_key) != steps or not (model_dir / "config.json").is_file():
+    from tamer.models import is_lora_dir
+
+    saved = (model_dir / "config.json").is_file() or is_lora_dir(model_dir)
+    if summary.get("stopped") or summary.get(steps_key) != steps or not saved:
         return None
     load_weights(model_dir, model)
     return summary

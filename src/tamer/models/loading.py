@@ -31,8 +31,9 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from tamer.config import FieldError, check_name
+from tamer.config import ConfigError, FieldError, check_name
 from tamer.modeldir import check_model_dir, model_dir_errors
+from tamer.models.lora import LoraConfig, base_dir_of, is_lora, is_lora_dir, merge_adapter_dir, save_lora_model
 from tamer.storage import atomic_directory
 
 # Special tokens of the built-in tokenizer; the chat markers follow the ChatML convention
@@ -74,6 +75,9 @@ class TinyModelConfig:
     intermediate_size: int = 512  # width of the gated MLP
     max_position_embeddings: int = 1024  # longest sequence (prompt + completion)
     tie_word_embeddings: bool = True  # the output head shares the embedding matrix
+    vocab_size: int = 0  # rows of the embedding; 0: the tokenizer's size (more: a real model's shape, rows unused)
+    rope_theta: float = 10000.0  # RoPE base frequency
+    rms_norm_eps: float = 1e-6  # epsilon of the RMSNorms
     seed: int = 0  # random initialisation
 
     def __post_init__(self) -> None:
@@ -82,6 +86,10 @@ class TinyModelConfig:
                      "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise FieldError(name, f"expected >= 1, got {getattr(self, name)}")
+        if self.vocab_size < 0:
+            raise FieldError("vocab_size", f"expected >= 0 (0: the tokenizer's size), got {self.vocab_size}")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise FieldError("rope_theta" if self.rope_theta <= 0 else "rms_norm_eps", "expected > 0")
         if self.hidden_size % self.num_heads:
             raise FieldError("hidden_size", f"{self.hidden_size} is not divisible by num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads:
@@ -103,6 +111,7 @@ class ModelConfig:
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
     tokenizer: str = "char"  # tiny models: "char" (one token per byte) or "bpe" (trained on the task's text)
     bpe_vocab_size: int = 1024  # vocabulary of the "bpe" tokenizer
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (r > 0) instead of full fine-tuning
 
     def __post_init__(self) -> None:
         check_name("dtype", self.dtype, DTYPES, "dtype")
@@ -184,8 +193,13 @@ def _without(corpus: Iterable[str], tokens: list[str]) -> Iterator[str]:
 
 def build_tiny_model(tokenizer: PreTrainedTokenizerBase, config: TinyModelConfig) -> PreTrainedModel:
     """A randomly initialised Qwen2- or Llama-style causal LM sized for CPU experiments."""
+    if 0 < config.vocab_size < len(tokenizer):
+        raise ConfigError(f"model.tiny.vocab_size: {config.vocab_size} is smaller than the tokenizer's "
+                          f"{len(tokenizer)} tokens")
     common = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=config.vocab_size or len(tokenizer),
+        rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_layers,
@@ -221,15 +235,27 @@ def quiet_progress() -> Iterator[None]:
 def load_model(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a local Hugging Face model directory."""
-    path = check_model_dir(path)  # ModelDirError naming what is missing, before transformers tries
+    """Load a causal LM and its tokenizer from a local Hugging Face model directory.
+
+    A LoRA directory (`tamer.models.lora`: adapter + tokenizer, base beside it or named) loads
+    as its base with the adapter merged: a plain model equal to the one that was trained."""
+    if not is_lora_dir(path):
+        path = check_model_dir(path)  # ModelDirError naming what is missing, before transformers tries
     with model_dir_errors(path), quiet_progress():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        model = load_causal_lm(path, dtype)
     if tokenizer.pad_token_id is None:  # many base models ship without one
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model.to(device), tokenizer
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The weights of a model directory, a LoRA one merged into its base (followed recursively)."""
+    if is_lora_dir(path):
+        return merge_adapter_dir(load_causal_lm(base_dir_of(path), dtype), path)
+    with model_dir_errors(path), quiet_progress():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
 
 
 def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path) -> Path:
@@ -239,8 +265,11 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path:
     model (a full disk raises StorageError and leaves any earlier save untouched)."""
     path = Path(path)
     with atomic_directory(path, "the model") as tmp, quiet_progress():
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        if is_lora(model):  # the adapter (tamer.models.lora); its base beside it or named
+            save_lora_model(model, tokenizer, Path(tmp))
+        else:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     return path
 
 

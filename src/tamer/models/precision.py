@@ -49,5 +49,6 @@ def intra_op_threads(n: int):
 
 def cache_keyword(model: PreTrainedModel) -> str:
     """The forward() argument that takes a KV cache: `cache` in newer transformers."""
-    params = inspect.signature(model.forward).parameters
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model passes it through
+    params = inspect.signature(inner.forward).parameters
     return "cache" if "cache" in params else "past_key_values"

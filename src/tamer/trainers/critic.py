@@ -5,7 +5,10 @@ and weights with a scalar value head) — the memory GRPO saves by dropping it. 
 puts the value head on the policy's own trunk instead (one model, two heads): the value
 loss's gradient on the trunk is then stepped by the policy's optimizer, in the same step as
 the policy loss's (one combined loss, as shared actor-critic implementations do), so the
-critic must update before the policy's optimizer steps.
+critic must update before the policy's optimizer steps. With a LoRA policy, `adapter=True` gives
+the critic its own LoRA adapter on the policy's frozen base (one copy of the base weights, the
+critic's adapter active only while values are computed); a separate critic copies the base and
+trains its own copy of the adapter.
 
 The critic implements the trainer's advantage interface (`tamer.trainers.advantage`):
 
@@ -22,6 +25,7 @@ Formulas: docs/algorithms.md#ppo-with-a-critic.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -29,7 +33,8 @@ import torch
 from transformers import PreTrainedModel
 
 from tamer.algorithms import critic_advantages, kl_penalty, value_loss
-from tamer.config import FieldError
+from tamer.config import ConfigError, FieldError
+from tamer.models.lora import active_adapter, add_adapter, is_lora
 from tamer.scale.learner import Learner
 from tamer.trainers.batch import Batch, micro_batches
 from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler
@@ -40,6 +45,7 @@ class CriticConfig:
     """The value model of PPO and its optimisation."""
 
     shared: bool = False  # True: value head on the policy trunk; False: a separate model of the same size
+    adapter: bool = False  # LoRA policies: the critic's own adapter on the policy's frozen base (no second copy)
     gamma: float = 1.0  # GAE discount per generated token
     lam: float = 0.95  # GAE λ: 0 one-step TD, 1 Monte-Carlo returns
     value_clip_eps: float = 0.2  # clip V around V_old by this much in the value loss; 0 disables
@@ -54,6 +60,11 @@ class CriticConfig:
             raise FieldError("value_clip_eps", f"expected >= 0 (0 disables clipping), got {self.value_clip_eps}")
         if self.kl_in_reward < 0:
             raise FieldError("kl_in_reward", f"expected >= 0, got {self.kl_in_reward}")
+        if self.adapter and self.shared:
+            raise FieldError("adapter", "the critic has its own adapter or shares the policy's trunk, not both")
+
+
+CRITIC_ADAPTER = "critic"
 
 
 class ValueModel(torch.nn.Module):
@@ -86,14 +97,19 @@ class Critic:
                  learner: Learner | None = None) -> None:
         self.config = config
         self.needs_reference = config.kl_in_reward > 0  # the KL penalty in the reward needs π_ref
+        self.policy = policy
         self.learner = learner or Learner()
-        if config.shared and self.learner.world > 1:
-            raise ValueError("critic.shared: a value head on the policy's trunk needs one learner process "
-                             "(scale.learner_ranks = 1); use a separate critic with learner ranks")
-        trunk = policy.get_decoder() if config.shared else copy.deepcopy(policy.get_decoder())
+        if (config.shared or config.adapter) and self.learner.world > 1:
+            raise ValueError("critic.shared / critic.adapter: a value head on the policy's trunk needs one learner "
+                             "process (scale.learner_ranks = 1); use a separate critic with learner ranks")
+        if config.adapter and not is_lora(policy):
+            raise ConfigError("rl.critic.adapter: needs a LoRA policy (model.lora.r > 0)")
+        adapter = add_adapter(policy, CRITIC_ADAPTER) if config.adapter else []
+        trunk = policy.get_decoder() if config.shared or config.adapter else copy.deepcopy(policy.get_decoder())
         self.wrapped = self.learner.wrap(ValueModel(trunk, policy.config.hidden_size), lambda m: m)
         self.model = self.wrapped.module  # the value model (under fsdp2: sharded); forwards go through `wrapped`
-        params = list(self.model.head.parameters()) if config.shared else list(self.model.parameters())
+        params = list(self.model.head.parameters()) + adapter if config.shared or config.adapter \
+            else list(self.model.parameters())
         # A shared trunk is stepped by the policy's optimizer too; the critic's owns the head only.
         self.optimizer = make_optimizer(_Params(params), config.optim)
         self.scheduler = make_scheduler(self.optimizer, config.optim, total_updates)
@@ -101,7 +117,7 @@ class Critic:
 
     def modules(self) -> list[torch.nn.Module]:
         """The models this advantage holds beyond the policy (none when the trunk is shared)."""
-        return [] if self.config.shared else [self.model]
+        return [] if self.config.shared or self.config.adapter else [self.model]
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """Every parameter the value loss trains (a shared trunk's are the policy's too)."""
@@ -109,13 +125,22 @@ class Critic:
 
     def state_dict(self) -> dict:
         """Full (unsharded) state; collective under FSDP2 (every rank calls it)."""
+        if self.config.adapter:  # the head and the critic's adapter; the base is the policy's own
+            model = {"head": self.model.head.state_dict(),
+                     "adapter": {k: v for k, v in self.model.state_dict().items() if f".{CRITIC_ADAPTER}." in k}}
+            return {"model": model, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         return {"model": self.learner.module_state(self.wrapped),
                 "optimizer": self.learner.checkpoint_optimizer(self.wrapped, self.optimizer).state_dict(),
                 "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.learner.load_module_state(self.wrapped, state["model"])
-        self.learner.checkpoint_optimizer(self.wrapped, self.optimizer, gather=False).load_state_dict(state["optimizer"])
+        if self.config.adapter:
+            self.model.head.load_state_dict(state["model"]["head"])
+            self.model.load_state_dict(state["model"]["adapter"], strict=False)
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            self.learner.load_module_state(self.wrapped, state["model"])
+            self.learner.checkpoint_optimizer(self.wrapped, self.optimizer, gather=False).load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     def compute(self, batch: Batch) -> None:
@@ -126,8 +151,16 @@ class Critic:
             batch.rewards, batch.old_values, batch.loss_mask, gamma=self.config.gamma, lam=self.config.lam,
             kl=kl, kl_coef=self.config.kl_in_reward)
 
+    def _active(self):
+        """The critic's adapter active on the shared base while it runs (a no-op without one)."""
+        return active_adapter(self.policy, CRITIC_ADAPTER) if self.config.adapter else contextlib.nullcontext()
+
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:
+        with self._active():
+            return self._values(batch)
+
+    def _values(self, batch: Batch) -> torch.Tensor:
         out = torch.zeros_like(batch.old_logprobs)
         rows = max(1, self.micro_batch_tokens // max(1, batch.input_ids.shape[1]))
         for start in range(0, len(batch), rows):
@@ -137,6 +170,10 @@ class Critic:
 
     def update(self, mini: Batch) -> dict[str, float]:
         """One optimizer step of the clipped value loss on a mini-batch."""
+        with self._active():
+            return self._update(mini)
+
+    def _update(self, mini: Batch) -> dict[str, float]:
         clip = self.config.value_clip_eps or None
         total = max(1.0, self.learner.all_reduce_sum(float(mini.loss_mask.sum())))  # global: every rank's tokens
         sums = {"critic/value_loss": 0.0, "critic/value_clip_frac": 0.0}

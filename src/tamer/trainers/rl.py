@@ -47,7 +47,9 @@ from tamer.algorithms.mismatch import truncated_importance_weights
 from tamer.checkpoint import load_checkpoint, save_checkpoint
 from tamer.config import FieldError, check_name
 from tamer.evaluate import EvalConfig, evaluate
-from tamer.models import PRECISIONS, autocast, shared_prefix_logprobs, stop_token_ids, token_logprobs
+from tamer.models import (
+    PRECISIONS, AdapterFreeView, autocast, is_lora, shared_prefix_logprobs, stop_token_ids, token_logprobs,
+)
 from tamer.rewards import RewardComposer
 from tamer.rollout.agent import AgentConfig
 from tamer.rollout.engine import GenerationEngine, HFEngine
@@ -252,6 +254,10 @@ class RLTrainer:
 
     @staticmethod
     def _frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
+        """π_ref: a frozen copy of the start model; for a LoRA model the same modules with the
+        adapters off (its frozen base is the start model), which costs no memory."""
+        if is_lora(model):
+            return AdapterFreeView(model).eval()
         ref = copy.deepcopy(model).eval()
         for p in ref.parameters():
             p.requires_grad_(False)
@@ -259,7 +265,8 @@ class RLTrainer:
 
     def held_models(self) -> list[torch.nn.Module]:
         """The models this trainer keeps in memory: policy, critic (unless shared), reference."""
-        return [self.model, *self.advantage.modules(), *([self.ref_model] if self.ref_model is not None else [])]
+        copies = [self.ref_model] if self.ref_model is not None and not isinstance(self.ref_model, AdapterFreeView) else []
+        return [self.model, *self.advantage.modules(), *copies]
 
     def trainable_parameters(self) -> int:
         """Parameters that receive updates (policy and critic), each counted once."""
