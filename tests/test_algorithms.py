@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tamer.algorithms import (
+    PER_TURN,
     ADVANTAGES,
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -50,7 +51,7 @@ REWARDS = torch.tensor([1.0, 0.0, 0.0, 2.0, 0.0, 3.0, 1.0])
 
 
 def test_registries_list_names_and_reject_unknown():
-    assert ADVANTAGES.names() == ["dr_grpo", "grpo", "reinforce_pp", "rloo"]
+    assert ADVANTAGES.names() == ["dr_grpo", "grpo", "reinforce_pp", "rloo", "turn_grpo"]
     assert POLICY_LOSSES.names() == ["gspo", "ppo"]
     assert get_advantage_fn("grpo") is ADVANTAGES.get("grpo")
     with pytest.raises(KeyError, match="valid names: dr_grpo, grpo"):
@@ -64,7 +65,11 @@ def test_one_call_signature_and_hyperparameters_bound_from_same_named_fields():
 
     from tamer.algorithms import bind
 
-    for name in ADVANTAGES:  # every estimator takes (rewards, group_ids, loss_mask)
+    for name in ADVANTAGES:  # every estimator takes (rewards, group_ids, loss_mask); per-turn ones also turns
+        if name in PER_TURN:
+            turns = torch.zeros(7, 3, dtype=torch.long)
+            assert get_advantage_fn(name)(REWARDS, IDS, torch.ones(7, 3), turns, None).shape == (7, 3)
+            continue
         assert get_advantage_fn(name)(REWARDS, IDS, torch.ones(7, 3)).shape == (7,)
     with pytest.raises(TypeError):  # no keyword is silently ignored
         get_advantage_fn("dr_grpo")(REWARDS, IDS, eps=1e-6)

@@ -300,3 +300,28 @@ def test_ids_follow_the_listed_order_only_when_asked():
     assert all([f.id for f in w.by_price()] == ["F1", "F2", "F3"] for w in ordered)
     assert all(min(w.hotels, key=lambda h: h.night).id == "H1" for w in ordered)
     assert not all([f.id for f in w.by_price()] == ["F1", "F2", "F3"] for w in shuffled)
+
+
+def test_habitual_demonstrator_checks_every_flight(worlds):
+    """check_all_rate: in that share of episodes every flight is checked, whatever was free;
+    the rest check up to the first free flight. Bookings stay valid and optimal."""
+    rng, habitual = random.Random(0), 0
+    for w in worlds[:200]:
+        calls = demonstrator_calls(w, rng, waste_rate=0.0, pricier_rate=0.0, check_all_rate=0.8)
+        tools, _ = replay(w, calls)
+        score = score_booking(w, tools)
+        assert score["success"] and score["optimal"] and score["errors"] == 0
+        checks = [args["flight"] for name, args in calls if name == "check_calendar"]
+        assert checks in ([f.id for f in w.by_price()], [f.id for f in w.by_price()[: w.first_free() + 1]])
+        habitual += len(calls) == 2 + len(w.flights) + 1 and w.first_free() + 1 < len(w.flights)
+    could_stop_early = sum(w.first_free() + 1 < len(w.flights) for w in worlds[:200])
+    assert 0.7 < habitual / could_stop_early < 0.9
+    always = [demonstrator_calls(w, rng, waste_rate=0.0, pricier_rate=0.0, check_all_rate=1.0) for w in worlds[:50]]
+    assert all(len(c) == 6 for c in always)  # 2 searches, 3 checks, the booking
+
+
+def test_check_all_rate_zero_leaves_the_demonstrator_unchanged(worlds):
+    for seed in range(3):
+        a = [demonstrator_calls(w, random.Random(seed)) for w in worlds[:50]]
+        b = [demonstrator_calls(w, random.Random(seed), check_all_rate=0.0) for w in worlds[:50]]
+        assert a == b

@@ -7,6 +7,7 @@ fields of the same names. Formulas, sources and where tamer departs: docs/algori
 
 from tamer.algorithms.advantages import (
     ADVANTAGES,
+    PER_TURN,
     critic_advantages,
     dr_grpo,
     gae,
@@ -15,6 +16,7 @@ from tamer.algorithms.advantages import (
     outcome_token_rewards,
     reinforce_pp,
     rloo,
+    turn_grpo,
     whiten,
     zero_spread_groups,
 )
@@ -37,6 +39,7 @@ __all__ = [
     "AGGREGATIONS",
     "BEHAVIOUR_WEIGHTS",
     "KL_ESTIMATORS",
+    "PER_TURN",
     "POLICY_LOSSES",
     "aggregate",
     "behaviour_weights",
@@ -54,6 +57,7 @@ __all__ = [
     "ppo",
     "reinforce_pp",
     "rloo",
+    "turn_grpo",
     "value_loss",
     "whiten",
     "zero_spread_groups",

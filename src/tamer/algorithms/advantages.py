@@ -10,6 +10,12 @@ keywords (bound once, when the trainer is built) and are chosen by name:
 
 Group ids need not be sorted, contiguous or equal-sized.
 
+`turn_grpo` is the per-turn estimator for multi-turn episodes (the names in `PER_TURN`): it
+also takes each token's turn index and each turn's process reward, credits every turn with the
+group-relative return from it on, and returns (B, T) advantages (0 off the policy's tokens):
+
+    advantages = fn(rewards, group_ids, loss_mask, turn_ids, turn_rewards)  # -> (B, T)
+
 PPO's critic-based estimator is `critic_advantages`: the outcome reward placed on each row's
 last generated token (optionally minus a per-token KL penalty), `gae` over the generated
 tokens, then advantages whitened over the batch. `zero_spread_groups` finds groups that
@@ -30,6 +36,7 @@ from tamer.registry import Registry
 AdvantageFn = Callable[..., Tensor]  # (rewards (B,), group_ids (B,), loss_mask (B, T) | None, **hp) -> (B,)
 
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+PER_TURN = frozenset({"turn_grpo"})  # estimators that also read turn_ids and turn_rewards
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:
@@ -148,6 +155,70 @@ def reinforce_pp(rewards: Tensor, group_ids: Tensor, loss_mask: Tensor | None = 
     batch_var = (weights * (centered - batch_mean).square()).sum() / safe_total
     whitened = (centered - batch_mean) / (batch_var.sqrt() + eps)
     return torch.where(total > 0, whitened, torch.zeros_like(whitened))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-turn estimator (multi-turn episodes with per-turn rewards)
+# ---------------------------------------------------------------------------------------------
+
+
+@ADVANTAGES.register("turn_grpo")
+def turn_grpo(
+    rewards: Tensor,
+    group_ids: Tensor,
+    loss_mask: Tensor | None = None,
+    turn_ids: Tensor | None = None,
+    turn_rewards: Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Per-turn GRPO: each turn is credited with the group-relative return from that turn on.
+
+    Inputs: `rewards` (B,) each episode's total reward R_i; `turn_ids` (B, T) long, the turn
+    of each policy token (0, 1, ...) and -1 on every other position (prompt, tool output,
+    chat markers, padding); `turn_rewards` (B, K) p_ik, the part of R_i earned at turn k
+    (process rewards from the environment), 0 past a row's turns. The rest of R_i (the
+    outcome) is earned at the end. With E_ik = Σ_{k' < k} p_ik' (earned before turn k):
+
+        G_ik = R_i - E_ik                                   (return-to-go of turn k)
+        b_gk = mean_{j in g} R_j - mean_{j in g} E_jk       (group's mean return still to come)
+        D_ik = G_ik - b_gk = (R_i - μ_g) - (E_ik - mean_{j in g} E_jk)
+        σ_g² = 1/(N_g - 1) Σ_{j in g} (1/n_j) Σ_{k < n_j} D_jk²    (n_j: turns of row j)
+        A_it = D_i,turn(t) / (σ_g + eps)   on tokens with a turn id, 0 elsewhere.
+
+    A turn is credited only with what is earned from it on (reward-to-go, Williams 1992), the
+    per-step form of DeepSeekMath's process-supervised GRPO (Shao et al. 2024, §4.1.3). With
+    no per-turn rewards, D_ik = R_i - μ_g and σ_g is GRPO's Bessel std: exactly `grpo`
+    broadcast to the tokens. Departs from DeepSeekMath, which normalizes every step reward by
+    the group's step mean and std and then sums them: that subtracts the mean once per
+    remaining step, a penalty that grows with the episode's own future length. Here the
+    baseline of turn k is the group's mean return still to come, so identical members get 0
+    at every turn. σ_g pools each member's D over its turns, so a group whose members earn
+    equal totals at different turns is scaled, not divided by ~0. Groups of one get 0.
+    Shape (B, T). Formula and sources: docs/algorithms.md#turn_grpo.
+    """
+    if turn_ids is None:
+        raise ValueError("turn_grpo needs turn_ids: the (B, T) turn index of every policy token")
+    rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
+    num_turns = (turn_ids.max(dim=1).values + 1).clamp(min=0)  # (B,) n_i
+    width = max(int(num_turns.max()), 1)
+    p = torch.zeros(len(rewards), width + 1, dtype=rewards.dtype, device=rewards.device)  # (B, K+1)
+    if turn_rewards is not None:
+        kept = min(turn_rewards.shape[1], width)  # a reward past a row's last token turn is never "before" one
+        p[:, 1: kept + 1] = turn_rewards[:, :kept].to(rewards.dtype)
+    earned = p.cumsum(dim=1)[:, :width]  # (B, K) E_ik
+    inverse, num_groups = _group_index(group_ids)
+    size = _group_sum(torch.ones_like(rewards), inverse, num_groups)  # (B,) N_g
+    mean = _group_sum(rewards, inverse, num_groups) / size  # (B,) μ_g
+    earned_sums = torch.zeros(num_groups, width, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, earned)
+    deviation = (rewards - mean)[:, None] - (earned - earned_sums[inverse] / size[:, None])  # (B, K) D_ik
+    valid = torch.arange(width, device=rewards.device)[None, :] < num_turns[:, None]  # (B, K)
+    squares = torch.where(valid, deviation.square(), torch.zeros_like(deviation))
+    per_member = squares.sum(dim=1) / valid.sum(dim=1).clamp(min=1)  # (B,)
+    std = (_group_sum(per_member, inverse, num_groups) / (size - 1.0).clamp(min=1.0)).sqrt()  # (B,) σ_g
+    turn_advantages = torch.where((size > 1)[:, None], deviation / (std[:, None] + eps), torch.zeros_like(deviation))
+    token = torch.gather(turn_advantages, 1, turn_ids.clamp(min=0).long())  # (B, T)
+    return torch.where(turn_ids >= 0, token, torch.zeros_like(token))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from tamer.tasks.calculator import CalculatorConfig, CalculatorTasks
 from tamer.tasks.code_config import CodeConfig
 from tamer.tasks.dataset import DatasetConfig, DatasetError, DatasetTasks
 from tamer.tasks.env import ENVIRONMENTS
+from tamer.tasks.scheduler import SchedulerConfig, SchedulerTasks
 from tamer.tasks.trip_planner import TripPlannerConfig, TripPlannerTasks
 from tamer.tasks.units import UnitsConfig, UnitsTasks
 
@@ -24,13 +25,14 @@ ENVIRONMENTS.register_lazy("python", "tamer.tasks.code:PythonEnv")
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Which task: `arithmetic`, `calculator`, `code`, `trip_planner` (built in) or `dataset` (your files)."""
+    """Which task: `arithmetic`, `calculator`, `code`, `trip_planner`, `scheduler` (built in) or `dataset` (your files)."""
 
     name: str = "arithmetic"  # a registered task source (built in, or registered by a plugin)
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)  # used when name = arithmetic
     calculator: CalculatorConfig = field(default_factory=CalculatorConfig)  # used when name = calculator
     code: CodeConfig = field(default_factory=CodeConfig)  # used when name = code
     trip_planner: TripPlannerConfig = field(default_factory=TripPlannerConfig)  # used when name = trip_planner
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # used when name = scheduler
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # used when name = dataset
     units: UnitsConfig = field(default_factory=UnitsConfig)  # used when name = units (the RLHF demo's task)
 
@@ -49,7 +51,7 @@ def get_task_source(config: TaskConfig) -> TaskSource:
 
 __all__ = [
     "ArithmeticConfig", "ArithmeticTasks", "CalculatorConfig", "CalculatorTasks", "CodeConfig",
-    "TripPlannerConfig", "TripPlannerTasks", "UnitsConfig", "UnitsTasks", "DatasetConfig", "DatasetError", "DatasetTasks",
+    "TripPlannerConfig", "TripPlannerTasks", "SchedulerConfig", "SchedulerTasks", "UnitsConfig", "UnitsTasks", "DatasetConfig", "DatasetError", "DatasetTasks",
     "TASK_SOURCES", "Task", "TaskConfig", "TaskPool", "TaskSource", "extract_answer",
     "get_task_source", "is_correct",
 ]

@@ -11,10 +11,12 @@
 Problems come from a few templates of 2-3 arithmetic steps ("A shop has 37 boxes of 24
 pens and sells 158 pens. How many pens are left?"), with numbers from a seeded RNG.
 
-The scripted demonstrator (`demonstrate_turns`) is right but wasteful: one call per step,
-and after a step, with probability `demo_redundant_rate`, it computes an earlier step
-again. SFT on it copies the waste; RL with a cost penalty (`info["cost"]` counts calls,
-`info["optimal_cost"]` is the number of steps) can learn to drop it.
+The scripted demonstrator (`demonstrate_turns`) is wasteful: one call per step, and after a
+step, with probability `demo_redundant_rate`, it computes an earlier step again. Its habits,
+off by default: `demo_double_check_rate` repeats the last calculation before answering, and
+`demo_mental_rate` does the last step in its head instead, slipping by ten at times (a wrong
+answer). SFT on it copies what it does most; RL with a cost penalty (`info["cost"]` counts
+calls, `info["optimal_cost"]` is the number of steps) and the outcome can learn to drop both.
 
 `calculate` is a safe evaluator over Python's `ast`: numbers, + - * / // % **, parentheses
 and unary signs only; no names, calls or attributes, and no `eval`.
@@ -180,6 +182,13 @@ def _apply(lhs: int, op: str, rhs: int) -> int:
     return {"+": operator.add, "-": operator.sub, "*": operator.mul}[op](lhs, rhs)
 
 
+def _mental_result(value: int, rng: random.Random, slip_rate: float) -> int:
+    """A step done in the head: right, or with `slip_rate` off by ten (a dropped carry or borrow)."""
+    if rng.random() >= slip_rate:
+        return value
+    return value + rng.choice((-10, 10)) if value > 10 else value + 10
+
+
 def tool_call_text(expression: str) -> str:
     """One compact Hermes-style call, as the tiny character-level models should write it."""
     payload = {"name": "calculate", "arguments": {"expression": expression}}
@@ -193,14 +202,18 @@ class CalculatorConfig:
     heldout_size: int = 400  # problems held out for evaluation
     train_size: int = 5000  # training problems
     demo_redundant_rate: float = 0.5  # chance, after each step, that the demo recomputes one
+    demo_double_check_rate: float = 0.0  # chance of repeating the last calculation before answering (> 0.5: a habit SFT copies)
+    demo_mental_rate: float = 0.0  # chance of doing the last step in the head (no call) instead
+    demo_mental_slip_rate: float = 0.5  # chance that a step done in the head is off by ten (a wrong answer)
     seed: int = 0  # problem generation
 
     def __post_init__(self) -> None:
         for name in ("heldout_size", "train_size"):
             if getattr(self, name) < 1:
                 raise FieldError(name, f"expected at least 1, got {getattr(self, name)}")
-        if not 0.0 <= self.demo_redundant_rate <= 1.0:
-            raise FieldError("demo_redundant_rate", f"expected a probability in [0, 1], got {self.demo_redundant_rate}")
+        for name in ("demo_redundant_rate", "demo_double_check_rate", "demo_mental_rate", "demo_mental_slip_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise FieldError(name, f"expected a probability in [0, 1], got {getattr(self, name)}")
 
 
 @TASK_SOURCES.register("calculator")
@@ -237,13 +250,24 @@ class CalculatorTasks:
         )
 
     def demonstrate_turns(self, task: Task, rng: random.Random) -> list[str]:
-        """Assistant turns: one calculator call per step (plus redundant repeats), then the answer."""
+        """Assistant turns: one calculator call per step (plus redundant repeats), then the answer.
+
+        With the habits of `CalculatorConfig`: the last step done in the head (no call; the
+        answer slips by ten at times), or the last calculation repeated before answering.
+        """
+        cfg = self.config
         expressions = task.meta["expressions"]
+        mental = cfg.demo_mental_rate > 0 and rng.random() < cfg.demo_mental_rate
         turns = []
-        for i, expression in enumerate(expressions):
+        for i, expression in enumerate(expressions[:-1] if mental else expressions):
             turns.append(tool_call_text(expression))
-            if rng.random() < self.config.demo_redundant_rate:
+            if cfg.demo_redundant_rate and rng.random() < cfg.demo_redundant_rate:
                 turns.append(tool_call_text(expressions[rng.randint(0, i)]))
+        if mental:
+            turns.append(format_answer(str(_mental_result(int(task.answer), rng, cfg.demo_mental_slip_rate))))
+            return turns
+        if cfg.demo_double_check_rate > 0 and rng.random() < cfg.demo_double_check_rate:
+            turns.append(tool_call_text(expressions[-1]))
         turns.append(format_answer(task.answer))
         return turns
 

@@ -9,7 +9,8 @@ outcome is scored as: valid booking made, cost over the optimum, tool calls, err
 The scripted demonstrator is correct but wasteful: it checks the flights' days one by one,
 cheapest first, until one is free, and at times repeats a search or a check, checks every
 flight, or books a valid but pricier plan; with `demo_hasty_rate` it sometimes first tries
-the cheapest flight though it hits a busy day.
+the cheapest flight though it hits a busy day. With `demo_check_all_rate` above one half its
+waste is a habit instead (it checks every flight before it books), which SFT copies.
 """
 
 from __future__ import annotations
@@ -70,9 +71,10 @@ class TripPlannerConfig:
     demo_waste_rate: float = 0.5  # chance of redundant calls
     demo_pricier_rate: float = 0.3  # chance of booking a valid but pricier plan
     demo_hasty_rate: float = 0.0  # chance of first trying the cheapest flight when it hits a busy day
+    demo_check_all_rate: float = 0.0  # chance of checking every flight first (> 0.5: a habit SFT copies)
 
     def __post_init__(self) -> None:
-        for name in ("demo_waste_rate", "demo_pricier_rate", "demo_hasty_rate"):
+        for name in ("demo_waste_rate", "demo_pricier_rate", "demo_hasty_rate", "demo_check_all_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise FieldError(name, f"expected a probability in [0, 1], got {getattr(self, name)}")
 
@@ -98,7 +100,8 @@ class TripPlannerTasks:
     def demonstrate_turns(self, task: Task, rng: random.Random) -> list[str]:
         calls = demonstrator_calls(World.from_dict(task.meta["world"]), rng,
                                    waste_rate=self.config.demo_waste_rate, pricier_rate=self.config.demo_pricier_rate,
-                                   hasty_rate=self.config.demo_hasty_rate)
+                                   hasty_rate=self.config.demo_hasty_rate,
+                                   check_all_rate=self.config.demo_check_all_rate)
         return [format_call(name, args) for name, args in calls]
 
     def demonstrate(self, task: Task, rng: random.Random) -> str:

@@ -381,9 +381,16 @@ def replay(world: World, calls: list[tuple[str, dict[str, Any]]]) -> tuple[TripT
 # --- the demonstrator and the score ---------------------------------------------------------------
 
 
-def _calendar_calls(world: World, rng: random.Random, waste_rate: float) -> list[tuple[str, dict]]:
-    """Check the flights cheapest first until one is free; when wasteful, check every flight or one twice."""
+def _calendar_calls(world: World, rng: random.Random, waste_rate: float,
+                    check_all_rate: float = 0.0) -> list[tuple[str, dict]]:
+    """Check the flights cheapest first until one is free; when wasteful, check every flight or one twice.
+
+    With `check_all_rate` it checks every flight whatever it found (its habit, when that rate is
+    above one half: the majority of its episodes, so a model trained on them does it every time).
+    """
     ordered = [("check_calendar", {"flight": f.id}) for f in world.by_price()]
+    if check_all_rate and rng.random() < check_all_rate:  # no draw at 0: other rates' streams unchanged
+        return ordered
     calls = ordered[: world.first_free() + 1]
     if rng.random() >= waste_rate:
         return calls
@@ -393,8 +400,8 @@ def _calendar_calls(world: World, rng: random.Random, waste_rate: float) -> list
     return calls[: repeat + 1] + calls[repeat:]
 
 
-def demonstrator_calls(world: World, rng: random.Random, *, waste_rate: float = 0.5,
-                       pricier_rate: float = 0.3, hasty_rate: float = 0.0) -> list[tuple[str, dict[str, Any]]]:
+def demonstrator_calls(world: World, rng: random.Random, *, waste_rate: float = 0.5, pricier_rate: float = 0.3,
+                       hasty_rate: float = 0.0, check_all_rate: float = 0.0) -> list[tuple[str, dict[str, Any]]]:
     """The scripted demonstrator's (tool, arguments) calls, ending with a `book` that always succeeds.
 
     Correct but wasteful, like a careful person: it checks the flights one by one, cheapest
@@ -403,13 +410,14 @@ def demonstrator_calls(world: World, rng: random.Random, *, waste_rate: float = 
     those whose days it checked (a pricier hotel, or a pricier free flight). With
     `hasty_rate`, when the cheapest flight hits a busy day, it first tries to book that
     flight anyway, reads the "day N busy" error and then books a valid plan: a wasted call
-    and an error, and an example of recovering from one.
+    and an error, and an example of recovering from one. With `check_all_rate` it checks
+    every flight before it books, though an earlier one was free (see `_calendar_calls`).
     """
     flights = ("search_flights", {"origin": world.origin, "dest": world.destination})
     hotels = ("search_hotels", {"city": world.destination, "nights": world.nights})
     calls = [flights] * (2 if rng.random() < waste_rate / 2 else 1)
     calls += [hotels] * (2 if rng.random() < waste_rate / 2 else 1)
-    checks = _calendar_calls(world, rng, waste_rate)
+    checks = _calendar_calls(world, rng, waste_rate, check_all_rate)
     calls += checks
     checked = {args["flight"] for _, args in checks}
     plans = [p for p in valid_plans(world) if p[0] in checked]

@@ -9,7 +9,7 @@ every algorithm:
                                       # (the critic's value-loss step; {} for group estimators)
 
 `GroupAdvantage` wraps a group-relative estimator of `tamer.algorithms.ADVANTAGES` (GRPO,
-Dr. GRPO, RLOO, REINFORCE++); `tamer.trainers.critic.Critic` is PPO's (GAE with a value model).
+Dr. GRPO, RLOO, REINFORCE++, and per-turn GRPO); `tamer.trainers.critic.Critic` is PPO's (GAE with a value model).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tamer.algorithms import bind, get_advantage_fn
+from tamer.algorithms import PER_TURN, bind, get_advantage_fn
 from tamer.trainers.batch import Batch
 
 
@@ -46,9 +46,14 @@ class GroupAdvantage:
     def __init__(self, name: str, hparams: Any) -> None:
         self.name = name
         self.fn = bind(get_advantage_fn(name), hparams)  # hyperparameters from same-named config fields
+        self.per_turn = name in PER_TURN  # also reads each token's turn and each turn's process reward
 
     def compute(self, batch: Batch) -> None:
-        batch.advantages = self.fn(batch.rewards, batch.group_ids, batch.loss_mask).float()
+        if self.per_turn:
+            batch.advantages = self.fn(batch.rewards, batch.group_ids, batch.loss_mask, batch.turn_ids,
+                                       batch.turn_rewards).float()
+        else:
+            batch.advantages = self.fn(batch.rewards, batch.group_ids, batch.loss_mask).float()
 
     def update(self, mini: Batch) -> dict[str, float]:
         return {}

@@ -3,6 +3,8 @@
 Token positions follow the model's input: position t of `loss_mask`, `old_logprobs` and
 `ref_logprobs` describes token t of `input_ids` (predicted from tokens < t). Prompt,
 environment and padding positions have `loss_mask = 0` and never enter a loss.
+`turn_ids` numbers the assistant turn each policy token belongs to (0, 1, ...; -1 on every
+other position), for per-turn advantages (`turn_grpo`); `turn_rewards` is (B, K), per turn.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class Batch:
     old_values: torch.Tensor | None = None  # (B, T) float32, PPO's critic at rollout time
     returns: torch.Tensor | None = None  # (B, T) float32, PPO's value targets
     behaviour_logprobs: torch.Tensor | None = None  # (B, T) float32, the sampler's logprobs when off-policy by k
+    turn_ids: torch.Tensor | None = None  # (B, T) long, the assistant turn of each policy token; -1 elsewhere
+    turn_rewards: torch.Tensor | None = None  # (B, K) float32, each turn's weighted process reward (turn_grpo)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -49,12 +53,15 @@ class Batch:
                 fields[name] = None
                 continue
             value = value[index]
-            fields[name] = value[:, :width] if value.dim() == 2 else value
+            fields[name] = value[:, :width] if value.dim() == 2 and name != "turn_rewards" else value  # (B, K): per turn
         return Batch(**fields)
 
 
-def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: int) -> Batch:
-    """Stack trajectories (prompt + completion) into one right-padded `Batch`."""
+def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: int, process_weight: float = 0.0) -> Batch:
+    """Stack trajectories (prompt + completion) into one right-padded `Batch`.
+
+    `process_weight` is the weight of the `process` reward: each turn's environment reward
+    times it goes into `turn_rewards`, the share of R_i earned at that turn (see `turn_rewards`)."""
     ids = [t.prompt_ids + t.completion_ids for t in trajectories]
     masks = [[0] * len(t.prompt_ids) + list(t.loss_mask) for t in trajectories]
     logprobs = [[0.0] * len(t.prompt_ids) + list(t.logprobs) for t in trajectories]
@@ -70,7 +77,34 @@ def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: in
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long),
         prefix_index=torch.tensor(prefix_index, dtype=torch.long),
+        turn_ids=right_pad([[-1] * len(t.prompt_ids) + token_turns(t) for t in trajectories], -1, torch.long),
+        turn_rewards=turn_rewards(trajectories, process_weight),
     )
+
+
+def token_turns(traj: Trajectory) -> list[int]:
+    """Per completion token: the index of the assistant turn that generated it, -1 for
+    environment tokens. A turn's tokens are the next `Turn.generated` policy tokens."""
+    sizes = [turn.generated for turn in traj.turns] or [len(traj.completion_ids)]
+    out, turn, left = [], 0, sizes[0]
+    for mask in traj.loss_mask:
+        if not mask:
+            out.append(-1)
+            continue
+        while left == 0 and turn + 1 < len(sizes):  # turns are consumed in order; skip empty ones
+            turn, left = turn + 1, sizes[turn + 1]
+        out.append(turn)
+        left -= 1
+    return out
+
+
+def turn_rewards(trajectories: list[Trajectory], weight: float) -> torch.Tensor:
+    """(B, K) float32: weight x each turn's environment (process) reward, 0 past a row's turns.
+
+    `weight` is the `process` reward's weight, so row i sums to that reward's share of R_i.
+    """
+    rows = [[weight * turn.env_reward for turn in t.turns] or [0.0] for t in trajectories]
+    return right_pad(rows, 0.0, torch.float32)
 
 
 def micro_batches(batch: Batch, max_tokens: int, with_rows: bool = False) -> list:

@@ -73,7 +73,7 @@ CRITIC_ADVANTAGES = ("gae",)  # estimators that need PPO's value model
 class AlgorithmConfig:
     """Which estimator, loss and aggregation; names come from the algorithm registries."""
 
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (PPO: needs the critic)
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | turn_grpo (per turn) | gae (PPO: needs the critic)
     policy_loss: str = "ppo"  # ppo (clipped surrogate; GRPO, DAPO) | gspo
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     aggregation_constant: float = 0.0  # C for seq-mean-token-sum-norm; 0: max_new_tokens
@@ -415,7 +415,8 @@ class RLTrainer:
 
     def make_batch(self, trajectories: list[Trajectory]) -> Batch:
         """Collate, reference (and recomputed old) logprobs when needed, then advantages."""
-        batch = collate(trajectories, torch.zeros(len(trajectories)), self.tokenizer.pad_token_id)
+        batch = collate(trajectories, torch.zeros(len(trajectories)), self.tokenizer.pad_token_id,
+                        process_weight=self.rewards.config.weights.get("process", 0.0))
         with self._timed("logprobs"):
             if self.ref_model is not None:
                 batch.ref_logprobs = self._no_grad_logprobs(self.ref_model, batch)
