@@ -18,8 +18,7 @@ import time
 
 import torch
 
-from tamer.models import TinyModelConfig, build_char_tokenizer, build_tiny_model
-from tamer.models import token_logprobs
+from tamer.models import TinyModelConfig, build_char_tokenizer, build_tiny_model, token_logprobs
 
 SIZES = {
     "1m": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512),

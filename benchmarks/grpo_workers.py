@@ -33,6 +33,7 @@ def build_model(size: str, out: Path) -> Path:
     """Save the `size` model (random init, seed 0) with tamer's char tokenizer under out/size."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
+
     from tamer.models import TinyModelConfig, build_char_tokenizer, build_tiny_model, save_model
     tokenizer = build_char_tokenizer()
     shape = dict(SIZES[size])
@@ -100,6 +101,7 @@ def matmul_gflops(dtype_name: str, shapes: list[tuple[int, int, int]], seconds: 
 
 def load(spec: dict):
     import torch
+
     from tamer.models import load_model
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(spec["seed"])
@@ -109,6 +111,7 @@ def load(spec: dict):
 def tasks_for(spec: dict):
     """The train prompts in the order both trainers see them, and the held-out tasks."""
     import random
+
     from tamer.tasks import ArithmeticTasks
     train, heldout = ArithmeticTasks().split()
     order = random.Random(spec["seed"]).sample(train, len(train))
@@ -258,6 +261,7 @@ def run_trl(spec: dict) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOTrainer
+
     from tamer.models import count_parameters
     model, tokenizer = load(spec)
     prompts, heldout = tasks_for(spec)

@@ -16,6 +16,7 @@ def same_batch(args, tmp: Path, sft_checkpoint) -> None:
     """One batch, both losses: tamer's rollout of one step fed to tamer's loss and to TRL's `_compute_loss`."""
     import torch
     from trl import GRPOTrainer
+
     from tamer.algorithms import ADVANTAGES
     from tamer.rollout.engine import _left_pad
     from tamer.trainers.common import right_pad

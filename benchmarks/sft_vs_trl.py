@@ -86,6 +86,7 @@ def _result(spec: dict, seconds: list[float], cpu: list[float], tokens: list[int
 # ---------------------------------------------------------------------------- tamer worker
 def run_tamer(spec: dict) -> dict:
     import torch
+
     from tamer.models import load_model
     from tamer.trainers.common import OptimConfig, clip_and_step
     from tamer.trainers.sft import SFTConfig, SFTTrainer
@@ -148,6 +149,7 @@ def run_trl(spec: dict) -> dict:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
+
     from tamer.models import load_model
     torch.set_num_threads(spec["threads"])
     model, tokenizer = load_model(spec["model"])

@@ -74,9 +74,9 @@ def _step_times(trainer, steps: int) -> list[float]:
 def _timed_out_calls(mode: str, calls: int) -> float:
     """Make `calls` calls to `spin` through a tool environment; returns the seconds they took."""
     import tamer.tools.executor as executor
+    from tamer.rollout.isolation import IsolatedEnvironment
     from tamer.tasks.base import Task
     from tamer.tasks.tool_env import ToolEnvConfig, ToolEnvironment
-    from tamer.rollout.isolation import IsolatedEnvironment
     from tamer.tools.schema import ToolSet
 
     class Spinning(ToolEnvironment):

@@ -29,8 +29,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_stats import learning_summary, ratio_summary  # noqa: E402
-from grpo_workers import LEARNING, SIZES, SPEED, build_model  # noqa: E402
+from bench_stats import learning_summary, ratio_summary
+from grpo_workers import LEARNING, SIZES, SPEED, build_model
 
 
 def worker(kind: str, spec: dict) -> dict:

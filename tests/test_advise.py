@@ -15,7 +15,14 @@ import pytest
 from typer.testing import CliRunner
 
 from tamer.advise import (
-    MIN_TRAIN_TASKS, PASS1_ENOUGH, AdviseConfig, Measurements, RewardHealth, StepCost, decide, measure_steps,
+    MIN_TRAIN_TASKS,
+    PASS1_ENOUGH,
+    AdviseConfig,
+    Measurements,
+    RewardHealth,
+    StepCost,
+    decide,
+    measure_steps,
     run_advise,
 )
 from tamer.cli import app

@@ -11,21 +11,21 @@ import pytest
 import torch
 
 from tamer.algorithms import (
-    PER_TURN,
     ADVANTAGES,
     AGGREGATIONS,
     KL_ESTIMATORS,
+    PER_TURN,
     POLICY_LOSSES,
     aggregate,
     critic_advantages,
-    outcome_token_rewards,
-    whiten,
     gae,
     get_advantage_fn,
     get_policy_loss_fn,
     kl_penalty,
     masked_mean,
+    outcome_token_rewards,
     value_loss,
+    whiten,
     zero_spread_groups,
 )
 

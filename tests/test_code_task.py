@@ -11,8 +11,7 @@ import torch
 from tamer.evaluate import EvalConfig
 from tamer.rewards import REWARDS, RewardComposer, RewardConfig
 from tamer.rollout.types import Trajectory
-from tamer.tasks import TaskConfig, get_task_source
-from tamer.tasks import code_check
+from tamer.tasks import TaskConfig, code_check, get_task_source
 from tamer.tasks.base import TASK_SOURCES, Task
 from tamer.tasks.code import CodeConfig, CodeTasks, PythonEnv, fenced, mutate, split_snippet
 from tamer.tasks.code_check import UnitTestReward, check_completion, extract_code, unit_tests

@@ -90,9 +90,9 @@ def test_registry_names_are_checked_at_load(override, message, valid):
 
 
 def test_tool_parser_and_environment_registries_are_checked():
+    from tamer.config import from_dict
     from tamer.tasks.env import ENVIRONMENTS
     from tamer.tasks.tool_env import ToolEnvConfig
-    from tamer.config import from_dict
 
     with pytest.raises(ConfigError, match="env.parser: unknown tool-call format .xml.; valid: hermes"):
         from_dict(ToolEnvConfig, {"parser": "xml"}, "env")

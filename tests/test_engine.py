@@ -3,13 +3,12 @@
 import pytest
 import torch
 
-from tamer.models import encode_chat, stop_token_ids
+from tamer.models import encode_chat, stop_token_ids, token_logprobs
 from tamer.rollout.engine import HFEngine, _left_pad
 from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams
 from tamer.tasks import ArithmeticTasks
 from tamer.trainers.batch import collate, micro_batches
-from tamer.models import token_logprobs
 
 
 def _prompts(tokenizer, n=4):

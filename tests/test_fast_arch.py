@@ -10,14 +10,21 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM, DynamicCache, Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig,
-    Qwen2Config, Qwen3Config,
+    AutoModelForCausalLM,
+    DynamicCache,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
 )
 
-from tamer.rollout.engine import HFEngine, _left_pad, preallocate
-from tamer.models.fast_forward import FastDecoder, unsupported_reason
-from tamer.rollout.types import SamplingParams
 from tamer.models import shared_prefix_logprobs, token_logprobs
+from tamer.models.fast_forward import FastDecoder, unsupported_reason
+from tamer.rollout.engine import HFEngine, _left_pad, preallocate
+from tamer.rollout.types import SamplingParams
 
 VOCAB, PAD = 101, 0
 SIZE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -4,11 +4,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tamer.models import TinyModelConfig, build_tiny_model
-from tamer.rollout.engine import HFEngine, _left_pad, preallocate
+from tamer.models import TinyModelConfig, build_tiny_model, shared_prefix_logprobs, token_logprobs
 from tamer.models.fast_forward import FastDecoder, linear, unsupported_reason
+from tamer.rollout.engine import HFEngine, _left_pad, preallocate
 from tamer.rollout.types import SamplingParams
-from tamer.models import shared_prefix_logprobs, token_logprobs
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24]]
 

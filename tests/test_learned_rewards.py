@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tamer.config import ConfigError
+from tamer.evaluate import EvalConfig
 from tamer.learned_rewards import JudgeParseError, JudgeReward, RewardModelReward, RewardModelScorer, preference_text
 from tamer.models import save_model
 from tamer.rewards import REWARDS, BatchReward, RewardComposer, RewardConfig
@@ -18,7 +19,6 @@ from tamer.trainers.common import OptimConfig
 from tamer.trainers.critic import CriticConfig
 from tamer.trainers.reward_model import reward_model_from
 from tamer.trainers.rl import AlgorithmConfig, RLConfig, RLTrainer
-from tamer.evaluate import EvalConfig
 
 
 def _traj(text, prompt="47+38"):
@@ -205,11 +205,10 @@ def _pairs_file(path, n=20):
 
 
 def test_learned_reward_checks_measure_agreement_and_flag_a_useless_reward_model(tiny_model, tokenizer, tmp_path):
-    from tamer.advise import decide
+    from tamer.advise import Measurements, RewardHealth, StepCost, decide
     from tamer.config import load_config
     from tamer.learned_rewards.agreement import AGREEMENT_MIN, learned_reward_checks
     from tamer.pipeline import RunConfig
-    from tamer.advise import Measurements, RewardHealth, StepCost
 
     def _measurements(**changes):
         base = dict(task="t", model="m", parameters=10, train_tasks=1000, heldout_tasks=100, eval_tasks=32,

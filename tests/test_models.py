@@ -4,8 +4,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tamer.models import (
-    TinyModelConfig, build_char_tokenizer, build_tiny_model, count_parameters, encode_chat, load_model,
-    save_model, stop_token_ids,
+    TinyModelConfig,
+    build_char_tokenizer,
+    build_tiny_model,
+    count_parameters,
+    encode_chat,
+    load_model,
+    save_model,
+    stop_token_ids,
 )
 
 

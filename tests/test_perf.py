@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tamer.models import encode_chat, stop_token_ids
+from tamer.models import autocast, encode_chat, shared_prefix_logprobs, stop_token_ids, token_logprobs
 from tamer.rewards import REWARDS, RewardComposer, RewardConfig
-from tamer.models import autocast, shared_prefix_logprobs, token_logprobs
 from tamer.rollout.engine import HFEngine, _left_pad, sample_tokens
 from tamer.rollout.runner import Rollout
 from tamer.rollout.types import SamplingParams
@@ -116,8 +115,8 @@ def _trainer(model, tokenizer, tmp_path, **overrides):
 
 def test_shared_prefix_step_equals_plain_step(tokenizer, tmp_path):
     """One RL step with and without the shared-prompt forward moves the weights the same way."""
-    from tests.conftest import TINY
     from tamer.models import build_tiny_model
+    from tests.conftest import TINY
     moved = []
     for share in (True, False):
         model = build_tiny_model(tokenizer, TINY)

@@ -6,9 +6,8 @@ import random
 import pytest
 from typer.testing import CliRunner
 
-from tamer.cli import app
+from tamer.cli import app, load_run_config
 from tamer.config import ConfigError
-from tamer.cli import load_run_config
 from tamer.rewards import REWARDS, correctness
 from tamer.rollout.types import Trajectory
 from tamer.tasks import TaskConfig, UnitsConfig, UnitsTasks, get_task_source

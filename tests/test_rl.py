@@ -93,8 +93,8 @@ def _metrics_after(model, tokenizer, run_dir, steps):
 
 
 def test_resume_matches_uninterrupted_run(tokenizer, tmp_path):
-    from tests.conftest import TINY
     from tamer.models import build_tiny_model
+    from tests.conftest import TINY
 
     full = _metrics_after(build_tiny_model(tokenizer, TINY), tokenizer, tmp_path / "full", steps=4)
     _metrics_after(build_tiny_model(tokenizer, TINY), tokenizer, tmp_path / "part", steps=2)  # "crash" after step 2

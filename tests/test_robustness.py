@@ -104,9 +104,8 @@ def test_lock_without_flock_falls_back_to_pid_and_takes_over_dead_holders(tmp_pa
     out.mkdir()
     host = os.uname().nodename
     (out / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": host, "command": "x"}))
-    with pytest.raises(LockError, match=f"pid {os.getppid()}"):
-        with output_dir_lock(out):
-            pass
+    with pytest.raises(LockError, match=f"pid {os.getppid()}"), output_dir_lock(out):
+        pass
     (out / LOCK_NAME).write_text(json.dumps({"pid": 999999, "host": host, "command": "x"}))  # dead: stale
     with output_dir_lock(out):
         assert json.loads((out / LOCK_NAME).read_text())["pid"] == os.getpid()

@@ -17,7 +17,13 @@ from tamer.models import save_model
 from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.rollout_log import (
-    RolloutLogConfig, TokenTexts, dumps, logprob_gaps, per_row_advantage, read_rollouts, select_groups,
+    RolloutLogConfig,
+    TokenTexts,
+    dumps,
+    logprob_gaps,
+    per_row_advantage,
+    read_rollouts,
+    select_groups,
     trajectory_record,
 )
 from tamer.tasks import ArithmeticTasks, TaskConfig, get_task_source

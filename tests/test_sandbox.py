@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tamer.cli import sandbox_app
 from tamer.tools import sandbox
 from tamer.tools.sandbox import SandboxConfig, SandboxError, SandboxPool, run_file, run_python
-from tamer.cli import sandbox_app
 
 FAST = SandboxConfig(timeout_s=3)
 # Programs that would hurt the host if they ran as root refuse to run without the uid drop.

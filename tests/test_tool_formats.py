@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
+from tamer.models import TinyModelConfig, build_char_tokenizer, build_tiny_model, token_logprobs
 from tamer.models.chat_templates import build_family_tokenizer
-from tamer.models import TinyModelConfig, build_char_tokenizer, build_tiny_model
 from tamer.rollout.agent import AgentConfig, AgentRollout, ToolMessageRenderer
 from tamer.rollout.engine import HFEngine
 from tamer.rollout.types import GenerationOutput, SamplingParams
@@ -20,7 +20,6 @@ from tamer.tools.formats import TOOL_FORMATS, detect_format, make_format, resolv
 from tamer.tools.parsing import ToolCall
 from tamer.tools.schema import ToolSet
 from tamer.trainers.batch import collate
-from tamer.models import token_logprobs
 
 # family of the locally built tokenizer -> the format its chat template renders
 FAMILIES = {"qwen2.5": "hermes", "llama3": "llama3_json", "mistral": "mistral", "json": "json"}

@@ -40,7 +40,7 @@ def stubborn(n: int) -> int:
         try:
             while True:
                 n += 1
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             pass
 
 

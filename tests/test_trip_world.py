@@ -11,7 +11,6 @@ import pytest
 
 from tamer.tasks.trip_world import (
     MIN_TOOL_CALLS,
-    min_tool_calls,
     TOOL_NAMES,
     Flight,
     Hotel,
@@ -20,6 +19,7 @@ from tamer.tasks.trip_world import (
     World,
     demonstrator_calls,
     generate_world,
+    min_tool_calls,
     optimal_plan,
     replay,
     score_booking,
@@ -77,7 +77,7 @@ def test_worlds_are_well_formed(worlds):
         assert [f.id for f in w.flights] == [f"F{i + 1}" for i in range(CONFIG.n_flights)]
         assert [h.id for h in w.hotels] == [f"H{i + 1}" for i in range(CONFIG.n_hotels)]
         assert all(w.first_day <= f.day <= w.last_day for f in w.flights)
-        assert 1 <= w.first_day and w.last_day + w.nights <= w.max_day
+        assert w.first_day >= 1 and w.last_day + w.nights <= w.max_day
         assert CONFIG.min_nights <= w.nights <= CONFIG.max_nights
         assert len(w.busy) == CONFIG.n_busy and list(w.busy) == sorted(w.busy)
         assert w.budget >= optimal_plan(w)[2]

@@ -13,8 +13,7 @@ from typer.testing import CliRunner
 from tamer.cli import app
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.rollout_log import TokenTexts, read_rollouts, trajectory_record
-from tamer.tasks import get_task_source
-from tamer.tasks import TaskConfig
+from tamer.tasks import TaskConfig, get_task_source
 from tamer.viewer import page_data, render_page, serve_in_thread, write_page
 
 runner = CliRunner()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tamer.models import TinyModelConfig, build_char_tokenizer, build_tiny_model, encode_chat, stop_token_ids
+from tamer.models.logprobs import token_logprobs
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.rollout.engine import HFEngine, _top_p_filter
 from tamer.rollout.runner import Rollout
@@ -23,7 +24,6 @@ from tamer.rollout.types import SamplingParams
 from tamer.rollout.vllm import VLLMConfig, VLLMEngineError, WeightSyncError
 from tamer.tasks import ArithmeticTasks, CalculatorTasks
 from tamer.trainers.batch import collate
-from tamer.models.logprobs import token_logprobs
 
 try:
     import vllm  # noqa: F401

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tamer.config import ConfigError, from_dict
-from tamer.models import encode_chat, stop_token_ids
+from tamer.models import encode_chat, stop_token_ids, token_logprobs
 from tamer.rollout.engine import HFEngine
 from tamer.rollout.engines import make_engine
 from tamer.rollout.runner import Rollout
@@ -30,7 +30,6 @@ from tamer.rollout.vllm import INSTALL_HINT, VLLMConfig, VLLMEngineError, Weight
 from tamer.rollout.vllm.engine import VLLMEngine, _with_timeout
 from tamer.tasks import ArithmeticTasks
 from tamer.trainers.batch import collate
-from tamer.models import token_logprobs
 from tamer.trainers.common import OptimConfig, make_optimizer
 
 

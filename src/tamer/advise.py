@@ -57,8 +57,8 @@ import torch
 
 from tamer.algorithms import zero_spread_groups
 from tamer.compare import METHODS
-from tamer.learned_rewards.agreement import learned_reward_checks
 from tamer.config import FieldError
+from tamer.learned_rewards.agreement import learned_reward_checks
 from tamer.models import count_parameters
 from tamer.phases import run_in_child
 from tamer.pipeline import RunConfig, build_policy, evaluate_model, make_trainer

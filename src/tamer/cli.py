@@ -37,9 +37,9 @@ from tamer.errors import RunError
 from tamer.export import export_model
 from tamer.phases import PhaseError
 from tamer.pipeline import RunConfig, run_demo, run_eval, run_rl, run_sft, seed_overrides, write_json
+from tamer.plan import CPU_RUNTIME_MB, plan_run, what_fits
 from tamer.preference_demo import print_summary as print_preference_summary
 from tamer.preference_demo import run_preference_demo
-from tamer.plan import CPU_RUNTIME_MB, plan_run, what_fits
 from tamer.presets import config_file, describe_preset, preset_names, preset_path
 from tamer.progress import ProgressView
 from tamer.rlhf import calibration_table, run_rm

@@ -23,8 +23,8 @@ starts. The checks, in the metrics' own names:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from tamer.config import FieldError
 

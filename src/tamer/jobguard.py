@@ -16,9 +16,10 @@ the lock and the signal handlers are re-entrant.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from tamer.runlock import output_dir_lock
 from tamer.stopping import TrainingStopped, graceful_stop

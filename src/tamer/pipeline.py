@@ -25,11 +25,20 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from tamer.config import FieldError, to_dict
 from tamer.evaluate import EvalConfig, EvalReport, agent_metrics, demonstrator_accuracy, evaluate
 from tamer.jobguard import guarded_job, summary_on_stop
-from tamer.preference_config import PreferenceDemoConfig
 from tamer.models import (
-    DTYPES, apply_lora, fold_adapter, ModelConfig, build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, count_parameters, load_model,
-    save_model, stop_token_ids,
+    DTYPES,
+    ModelConfig,
+    apply_lora,
+    build_bpe_tokenizer,
+    build_char_tokenizer,
+    build_tiny_model,
+    count_parameters,
+    fold_adapter,
+    load_model,
+    save_model,
+    stop_token_ids,
 )
+from tamer.preference_config import PreferenceDemoConfig
 from tamer.resume import finished_phase, resume_trainer, wants_resume
 from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rollout.agent import AgentConfig, AgentRollout

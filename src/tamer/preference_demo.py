@@ -25,19 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from tamer.config import ConfigError
 from tamer.evaluate import evaluate
 from tamer.learned_rewards import RewardModelScorer, preference_text
-from tamer.rewards import RewardComposer, RewardConfig
-from tamer.rollout.types import SamplingParams, Trajectory
-from tamer.tasks.units import follows_rule, states_a_unit
-from tamer.trainers.batch import collate
 from tamer.models import load_model, save_model, token_logprobs
 from tamer.pipeline import RunConfig, build_policy, run_sft, tracker_for, write_json
 from tamer.preference_config import PreferenceDemoConfig
+from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rlhf import run_rm
+from tamer.rollout.types import SamplingParams, Trajectory
 from tamer.tasks import get_task_source
+from tamer.tasks.units import follows_rule, states_a_unit
 from tamer.tracking import read_metrics
+from tamer.trainers.batch import collate
 from tamer.trainers.common import seed_everything
 from tamer.trainers.rl import RLTrainer
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
-from typing import Callable, Iterator, Mapping
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -36,7 +36,7 @@ HEADLINE_KEYS: dict[str, str] = {
 }
 QUIET_MAX_SECONDS = 60.0  # a plain line at least this often while steps advance
 
-_ACTIVE: ContextVar["ProgressView | None"] = ContextVar("tamer_progress_view", default=None)
+_ACTIVE: ContextVar[ProgressView | None] = ContextVar("tamer_progress_view", default=None)
 
 
 def _format(value: float | int) -> str:
@@ -158,7 +158,7 @@ class ProgressView:
         if self.task is None and unprinted:
             self._print_line(self.last_step)  # the final state is always worth one line
 
-    def __enter__(self) -> "ProgressView":
+    def __enter__(self) -> ProgressView:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 

@@ -17,11 +17,17 @@ the run with a one-line error and renames nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from tamer.checkpoint import (
-    LATEST, STEP_DIR, TRAINER_STATE, CheckpointError, CorruptCheckpointError, _step_dirs, _step_of,
+    LATEST,
+    STEP_DIR,
+    TRAINER_STATE,
+    CheckpointError,
+    CorruptCheckpointError,
+    _step_dirs,
+    _step_of,
 )
 from tamer.errors import RunError
 

@@ -27,8 +27,9 @@ from __future__ import annotations
 import inspect
 import math
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from tamer.config import ConfigError, FieldError, check_name
 from tamer.registry import Registry
@@ -186,7 +187,7 @@ class RewardComposer:
     def _call(self, name: str, traj: Trajectory) -> tuple[float, str | None]:
         try:
             value = float(self.functions[name](traj, **self.config.params.get(name, {})))
-        except Exception:  # noqa: BLE001 - a user's reward must never kill training
+        except Exception:
             return self.config.default_on_error, traceback.format_exc()
         if math.isnan(value):
             return self.config.default_on_error, f"reward function {name!r} returned NaN"
@@ -202,7 +203,7 @@ class RewardComposer:
             values = list(self.functions[name].score_batch(trajs))
             if len(values) != len(trajs):
                 raise ValueError(f"score_batch returned {len(values)} values for {len(trajs)} trajectories")
-        except Exception:  # noqa: BLE001 - the whole batch is scored default, the run goes on
+        except Exception:
             return [(self.config.default_on_error, traceback.format_exc())] * len(trajs)
         return [self._checked(name, value) for value in values]
 

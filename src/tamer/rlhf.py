@@ -26,7 +26,6 @@ from tamer.tasks.preferences import PreferencePair, load_preference_pairs
 from tamer.trainers.common import seed_everything
 from tamer.trainers.reward_model import RewardModelTrainer, load_reward_base, reward_model_from
 
-
 Pairs = tuple[list[PreferencePair], list[PreferencePair]]  # (train, held-out)
 
 

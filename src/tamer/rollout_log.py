@@ -37,9 +37,10 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 

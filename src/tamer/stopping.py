@@ -26,9 +26,10 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -30,9 +30,10 @@ import math
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tamer.errors import RunError
 
@@ -138,7 +139,7 @@ def storage_errors(path: str | os.PathLike, what: str = "the run's files") -> It
     """Turn disk and permission failures inside the block into StorageError."""
     try:
         yield
-    except Exception as err:  # noqa: BLE001 - re-raised, translated or not
+    except Exception as err:
         translated = as_storage_error(err, path, what)
         if translated is err:
             raise

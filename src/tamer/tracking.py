@@ -34,9 +34,10 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterable, Mapping, Sequence
+from typing import IO, Any
 
 from rich.console import Console
 from rich.table import Table

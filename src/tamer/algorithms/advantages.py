@@ -25,7 +25,7 @@ docs/algorithms.md#advantage-estimators and docs/algorithms.md#ppo-with-a-critic
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

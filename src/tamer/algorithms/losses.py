@@ -18,7 +18,7 @@ and docs/algorithms.md#aggregation.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

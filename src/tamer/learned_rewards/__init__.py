@@ -6,7 +6,12 @@ Both are batch rewards (`tamer.rewards.BatchReward`), registered in `tamer.rewar
 
 from tamer.learned_rewards.judge import JudgeParseError, JudgeReward
 from tamer.learned_rewards.reward_model import (
-    RewardModelReward, RewardModelScorer, encode_texts, pad_right, preference_text, reward_forward,
+    RewardModelReward,
+    RewardModelScorer,
+    encode_texts,
+    pad_right,
+    preference_text,
+    reward_forward,
 )
 
 __all__ = ["JudgeParseError", "JudgeReward", "RewardModelReward", "RewardModelScorer", "encode_texts",

@@ -12,14 +12,39 @@ the adapter-free reference, LoRA model directories).
 """
 
 from tamer.models.loading import (
-    BOS, CHATML_TEMPLATE, DTYPES, EOS, IM_START, MARKUP_TOKENS, PAD, SPECIAL_TOKENS, UNK, ModelConfig, TinyModelConfig,
-    build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, count_parameters, encode_chat, load_causal_lm,
-    load_model, quiet_progress, save_model, stop_token_ids,
-)
-from tamer.models.lora import (
-    AdapterFreeView, LoraConfig, LoraError, adapter_parameters, apply_lora, fold_adapter, is_lora, is_lora_dir,
+    BOS,
+    CHATML_TEMPLATE,
+    DTYPES,
+    EOS,
+    IM_START,
+    MARKUP_TOKENS,
+    PAD,
+    SPECIAL_TOKENS,
+    UNK,
+    ModelConfig,
+    TinyModelConfig,
+    build_bpe_tokenizer,
+    build_char_tokenizer,
+    build_tiny_model,
+    count_parameters,
+    encode_chat,
+    load_causal_lm,
+    load_model,
+    quiet_progress,
+    save_model,
+    stop_token_ids,
 )
 from tamer.models.logprobs import shared_prefix_logprobs, token_logprobs
+from tamer.models.lora import (
+    AdapterFreeView,
+    LoraConfig,
+    LoraError,
+    adapter_parameters,
+    apply_lora,
+    fold_adapter,
+    is_lora,
+    is_lora_dir,
+)
 from tamer.models.precision import PRECISIONS, autocast, cache_keyword, intra_op_threads
 
 __all__ = [

@@ -36,8 +36,18 @@ import torch.utils.checkpoint
 from torch import nn
 
 from tamer.models.fast_arch import (  # noqa: F401 - unsupported_reason is re-exported: part of this API
-    Arch, Unsupported, activate, attend, norm_eps, read_arch, rms_norm, softcap, unsupported_reason, window_mask,
+    Arch,
+    Unsupported,
+    activate,
+    attend,
+    norm_eps,
+    read_arch,
+    rms_norm,
+    softcap,
+    unsupported_reason,
+    window_mask,
 )
+
 
 def _cpu_bf16_autocast(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16

@@ -25,20 +25,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from tamer.config import FieldError, check_name
 from tamer.models import encode_chat
 from tamer.rollout.engine import GenerationEngine
+from tamer.rollout.isolation import IsolatedEnvironment
 from tamer.rollout.types import GenerationOutput, SamplingParams, Trajectory, Turn, trajectory_seed
 from tamer.tasks.base import Task
 from tamer.tasks.env import ENVIRONMENTS, Environment, StepResult
 from tamer.tools.formats import TOOL_FORMATS, Observation, resolve_format, turn_decoder
-from tamer.rollout.isolation import IsolatedEnvironment
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,7 @@ class AgentRollout:
     def _step(env: Environment, text: str) -> StepResult:
         try:
             return env.step(text)
-        except Exception as err:  # noqa: BLE001 - a broken environment ends one episode, not the run
+        except Exception as err:
             return StepResult(None, done=True, info={"env_error": f"{type(err).__name__}: {err}", "success": False})
 
     def _finish(self, e: _Episode) -> Trajectory:

@@ -28,8 +28,9 @@ import os
 import pickle
 import signal
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection, Pipe
-from typing import Any, Callable
+from typing import Any
 
 from tamer.tasks.env import BaseEnvironment, StepResult
 from tamer.tools import stopper
@@ -126,7 +127,7 @@ def _serve(env: Any, conn: Connection) -> None:
             return  # the trainer closed its end: done
         try:
             reply = ("ok", methods[method](*args))
-        except Exception as err:  # noqa: BLE001 - the environment's error goes back to the rollout
+        except Exception as err:
             reply = ("error", err)
         try:
             conn.send(reply)

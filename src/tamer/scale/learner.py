@@ -28,8 +28,9 @@ import contextlib
 import copy
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

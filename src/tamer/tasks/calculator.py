@@ -29,8 +29,9 @@ import json
 import math
 import operator
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tamer.config import FieldError
 from tamer.tasks.base import TASK_SOURCES, Task, extract_answer, format_answer, normalize_answer

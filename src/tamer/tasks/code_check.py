@@ -31,8 +31,9 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 from tamer.tasks.base import Task
 from tamer.tasks.code_config import DEFAULT_TIMEOUT_S

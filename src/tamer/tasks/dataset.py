@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tamer.config import PATH, FieldError
 from tamer.tasks.base import TASK_SOURCES, Task, format_answer
@@ -56,7 +57,7 @@ def load_rows(path: Path) -> list[dict]:
     datasets.disable_progress_bars()
     try:
         ds = datasets.load_dataset(builder, data_files=str(path), split="train")
-    except Exception as err:  # noqa: BLE001 - re-raised with the file named
+    except Exception as err:
         raise DatasetError(f"{path}: could not be read as {builder}: {err}") from None
     return ds.to_list()
 

@@ -98,7 +98,7 @@ def _hf_rows(config: PreferenceDataConfig, split: str) -> list[dict]:
             ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
         else:  # a hub name, or a local directory of data files
             ds = datasets.load_dataset(config.hf_dataset, config.hf_config or None, split=split)
-    except Exception as err:  # noqa: BLE001 - re-raised with the dataset named
+    except Exception as err:
         raise DatasetError(f"{config.hf_dataset} (split {split!r}): could not be loaded: {err}") from None
     return ds.to_list()
 

@@ -24,8 +24,16 @@ from tamer.tasks.base import TASK_SOURCES, Task
 from tamer.tasks.env import ENVIRONMENTS, StepResult
 from tamer.tasks.tool_env import ToolEnvConfig, ToolEnvironment
 from tamer.tasks.trip_world import (
-    TripTools, TripWorldConfig, World, demonstrator_calls, generate_world, score_booking, split, task_prompt,
-    to_json, world_id,
+    TripTools,
+    TripWorldConfig,
+    World,
+    demonstrator_calls,
+    generate_world,
+    score_booking,
+    split,
+    task_prompt,
+    to_json,
+    world_id,
 )
 from tamer.tools.schema import ToolSet
 

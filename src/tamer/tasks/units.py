@@ -47,7 +47,7 @@ class UnitsConfig:
             raise FieldError("units", "give one or more unit names without digits or spaces")
         for name in ("demo_unit_rate", "pair_wrong_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise FieldError(name, f"expected a probability in [0, 1]")
+                raise FieldError(name, "expected a probability in [0, 1]")
         if self.heldout_size < 1:
             raise FieldError("heldout_size", "expected at least 1")
 

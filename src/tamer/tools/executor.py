@@ -136,7 +136,7 @@ def _run_with_timeout(tool: Tool, arguments: dict[str, Any], timeout_s: float) -
             box["value"] = tool.function(**arguments)
         except ToolStopped:
             pass  # stopped after its timeout: nobody waits for this result any more
-        except BaseException as exc:  # noqa: BLE001 - anything a tool does is reported, not raised
+        except BaseException as exc:
             box["error"] = exc
         finally:
             done.set()
@@ -172,7 +172,7 @@ def _safe_str(value: Any) -> str:
     # A tool's return value or exception is arbitrary code; even its __str__ may raise.
     try:
         return str(value)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return f"<unprintable {type(value).__name__}>"
 
 

@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
 from tamer.registry import Registry
-from tamer.tools.parsing import ParseResult, ToolCall, ToolCallParser, call_from_payload, PARSERS
+from tamer.tools.parsing import PARSERS, ParseResult, ToolCall, ToolCallParser, call_from_payload
 
 TOOL_FORMATS: Registry = Registry("tool-call format")
 DEFAULT_FORMAT = "hermes"
@@ -148,7 +149,7 @@ def _template_wraps_tool_responses(tokenizer: PreTrainedTokenizerBase) -> bool:
     try:
         with_tool = tokenizer.apply_chat_template(base + [_tool_message("r")], tokenize=False)
         without = tokenizer.apply_chat_template(base, tokenize=False)
-    except Exception:  # noqa: BLE001 - a template without tool messages: nothing is wrapped
+    except Exception:
         return False
     return with_tool.count("<tool_response>") > without.count("<tool_response>")
 

@@ -46,7 +46,7 @@ def make_python_tool(config: SandboxConfig = TOOL_SANDBOX, max_chars: int = 2000
         """
         try:
             result = run_python(code, config)
-        except Exception as exc:  # noqa: BLE001 - the agent gets text, never an exception
+        except Exception as exc:
             return f"error: the sandbox could not run the code ({type(exc).__name__}: {exc})"[:max_chars]
         return format_result(result, max_chars)
 

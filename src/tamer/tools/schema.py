@@ -32,7 +32,6 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
-
 # JSON schema type name -> the Python types `json.loads` produces for it. bool is excluded
 # from the numeric types explicitly by `json_type`, since it subclasses int.
 JSON_TYPES: dict[str, tuple[type, ...]] = {
@@ -126,7 +125,7 @@ def _function_schema(fn: Callable[..., Any]) -> dict:
 
 
 # Parsed schemas by function object; weak keys, so a cached function can still be collected.
-_SCHEMA_CACHE: "weakref.WeakKeyDictionary[Callable[..., Any], dict]" = weakref.WeakKeyDictionary()
+_SCHEMA_CACHE: weakref.WeakKeyDictionary[Callable[..., Any], dict] = weakref.WeakKeyDictionary()
 
 
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:

@@ -43,7 +43,7 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
-    def select(self, index: torch.Tensor | list[int]) -> "Batch":
+    def select(self, index: torch.Tensor | list[int]) -> Batch:
         """Rows `index` of every tensor, trimmed to the longest selected row."""
         index = torch.as_tensor(index, dtype=torch.long)
         width = int(self.attention_mask[index].sum(-1).max())

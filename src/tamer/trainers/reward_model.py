@@ -22,10 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
-from tamer.config import FieldError
 from tamer.algorithms.preference import CalibrationReport, bradley_terry_loss, calibration
+from tamer.config import FieldError
 from tamer.learned_rewards.reward_model import encode_texts, pad_right, preference_text, reward_forward
 from tamer.models import quiet_progress
 from tamer.tasks.preferences import PreferenceDataConfig, PreferencePair

@@ -40,15 +40,31 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.algorithms import (
-    ADVANTAGES, AGGREGATIONS, BEHAVIOUR_WEIGHTS, KL_ESTIMATORS, POLICY_LOSSES, aggregate, behaviour_weights, bind,
-    get_policy_loss_fn, kl_penalty, masked_mean, zero_spread_groups,
+    ADVANTAGES,
+    AGGREGATIONS,
+    BEHAVIOUR_WEIGHTS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    aggregate,
+    behaviour_weights,
+    bind,
+    get_policy_loss_fn,
+    kl_penalty,
+    masked_mean,
+    zero_spread_groups,
 )
 from tamer.algorithms.mismatch import truncated_importance_weights
 from tamer.checkpoint import load_checkpoint, save_checkpoint
 from tamer.config import FieldError, check_name
 from tamer.evaluate import EvalConfig, evaluate
 from tamer.models import (
-    PRECISIONS, AdapterFreeView, autocast, is_lora, shared_prefix_logprobs, stop_token_ids, token_logprobs,
+    PRECISIONS,
+    AdapterFreeView,
+    autocast,
+    is_lora,
+    shared_prefix_logprobs,
+    stop_token_ids,
+    token_logprobs,
 )
 from tamer.rewards import RewardComposer
 from tamer.rollout.agent import AgentConfig

@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from tamer.config import FieldError
 from tamer.checkpoint import load_checkpoint, save_checkpoint
+from tamer.config import FieldError
 from tamer.models import encode_chat
+from tamer.models.fast_forward import FastDecoder
 from tamer.progress import report_progress
 from tamer.rollout.agent import AgentConfig, AgentRollout
 from tamer.stopping import TrainingStopped, stop_requested
-from tamer.models.fast_forward import FastDecoder
 from tamer.tasks.base import Task, TaskSource
 from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler, right_pad
 from tamer.trainers.packed import pack, packable, packed_loss

@@ -14,10 +14,11 @@ import random
 import subprocess
 import time
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -128,7 +129,7 @@ class ColocatedBackend:
             return
         try:
             llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - best effort: the process may be exiting
+        except Exception:
             pass
         del llm
         gc.collect()
@@ -136,7 +137,7 @@ class ColocatedBackend:
             from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
             destroy_model_parallel()
             destroy_distributed_environment()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 

@@ -28,19 +28,20 @@ import math
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.models import save_model
+from tamer.models.logprobs import token_logprobs
 from tamer.rollout.types import GenerationOutput, SamplingParams
 from tamer.rollout.vllm.backends import ColocatedBackend, Sample, ServerBackend
 from tamer.rollout.vllm.config import VLLMConfig
 from tamer.rollout.vllm.errors import VLLMEngineError, WeightSyncError, one_line, require_vllm
 from tamer.rollout.vllm.sync import SYNCS
-from tamer.models.logprobs import token_logprobs
 
 PROBE_TEXT = "1+2=3 4+5=9"
 PROBE_TEMPERATURE = 0.7  # not 1: raw logprobs (a server without processed_logprobs) fail the check
@@ -232,7 +233,7 @@ class VLLMEngine:
             self._tmp.cleanup()
             self._tmp = None
 
-    def __enter__(self) -> "VLLMEngine":
+    def __enter__(self) -> VLLMEngine:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -275,7 +276,7 @@ def _with_timeout(fn: Callable[[], Any], timeout: float, what: str) -> Any:
     def run() -> None:
         try:
             result["value"] = fn()
-        except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
+        except BaseException as err:
             result["error"] = err
 
     thread = threading.Thread(target=run, name="tamer-vllm-sync", daemon=True)

@@ -24,7 +24,7 @@ def one_line(err: BaseException | str, limit: int = 400) -> str:
 def require_vllm():
     """Import vllm, or fail in one line naming the install command."""
     try:
-        import vllm  # noqa: F401
+        import vllm
     except ImportError as err:
         raise VLLMEngineError(f"vLLM is not installed ({one_line(err)}); install it with: {INSTALL_HINT}") from None
     return vllm

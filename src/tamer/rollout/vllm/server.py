@@ -57,7 +57,7 @@ class ServerClient:
                 raw = response.read()
         except urllib.error.HTTPError as err:
             raise VLLMEngineError(f"vLLM server {self.url}{path} answered {err.code}: {_error_message(err)}") from None
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             raise VLLMEngineError(f"vLLM server {self.url}{path}: no answer within {timeout:g} s") from None
         except urllib.error.URLError as err:
             if isinstance(err.reason, (TimeoutError, socket.timeout)):

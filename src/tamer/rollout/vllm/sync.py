@@ -39,7 +39,7 @@ from tamer.registry import Registry
 from tamer.rollout.vllm.config import VLLMConfig
 from tamer.rollout.vllm.errors import WeightSyncError
 
-SYNCS: Registry[type["WeightSync"]] = Registry("weight sync strategy")
+SYNCS: Registry[type[WeightSync]] = Registry("weight sync strategy")
 
 
 def named_weights(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:

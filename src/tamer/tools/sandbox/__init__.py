@@ -40,7 +40,11 @@ The modules, in the order a run passes through them:
 """
 
 from tamer.tools.sandbox.config import (
-    KNOWN_PROTECTIONS, NETWORK_MODES, SandboxConfig, SandboxError, SandboxResult,
+    KNOWN_PROTECTIONS,
+    NETWORK_MODES,
+    SandboxConfig,
+    SandboxError,
+    SandboxResult,
 )
 from tamer.tools.sandbox.pool import SandboxPool
 from tamer.tools.sandbox.run import run_file, run_python

@@ -14,13 +14,22 @@ import os
 import resource
 import shutil
 import signal
-from typing import Sequence
+from collections.abc import Sequence
 
 from tamer.tools.sandbox import linux
 from tamer.tools.sandbox.config import SandboxError
 from tamer.tools.sandbox.linux import (
-    CLONE_NEWNS, CLONE_NEWUSER, MS_BIND, MS_NODEV, MS_NOSUID, MS_PRIVATE, MS_RDONLY, MS_REC, MS_REMOUNT,
-    PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG,
+    CLONE_NEWNS,
+    CLONE_NEWUSER,
+    MS_BIND,
+    MS_NODEV,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_RDONLY,
+    MS_REC,
+    MS_REMOUNT,
+    PR_SET_NO_NEW_PRIVS,
+    PR_SET_PDEATHSIG,
 )
 from tamer.tools.sandbox.plan import ChildPlan, MountPlan
 from tamer.tools.sandbox.reaper import start_reaper

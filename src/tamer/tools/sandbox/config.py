@@ -10,7 +10,6 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 
-
 NETWORK_MODES = ("isolate", "allow")
 KNOWN_PROTECTIONS = (
     "new-session", "scrubbed-env", "tmp-workdir", "isolated-python", "sweep-uid", "sweep-marker",

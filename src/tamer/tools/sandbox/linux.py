@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import os
 
-
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: dlopen in a child can deadlock
 _LIBC.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _LIBC.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]

@@ -24,7 +24,6 @@ from tamer.tools.sandbox import linux
 from tamer.tools.sandbox.config import PARENT_SIDE, SandboxConfig
 from tamer.tools.sandbox.linux import CLONE_NEWNET
 
-
 _PRIVATE_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 _HIDDEN_DIRS = ("/run",)  # host sockets (D-Bus, container runtimes) live here; IP isolation misses them
 _NEVER_HIDE = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/proc", "/sys", "/dev"}

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Sequence
 
 from tamer.tools.sandbox.config import SandboxConfig, SandboxResult
 from tamer.tools.sandbox.run import run_python

@@ -12,14 +12,13 @@ import pwd
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
-from typing import Iterator
 
 from tamer.tools.sandbox.config import SandboxConfig, SandboxError, SandboxResult
 from tamer.tools.sandbox.supervise import execute, sweep_uid
-
 
 # Between systemd's container range (60001-60513) and its DynamicUser range (61184-65519), and
 # below 65536 so it also works inside user-namespaced containers that map only 16-bit ids.
@@ -101,7 +100,7 @@ def _lock_dir() -> str:
     return path
 
 
-@lru_cache(maxsize=None)
+@cache
 def _id_taken(uid: int) -> bool:
     """A uid or gid the system already assigns must never be borrowed."""
     for lookup in (pwd.getpwuid, grp.getgrgid):

@@ -21,7 +21,6 @@ from tamer.tools.sandbox.child import child_setup
 from tamer.tools.sandbox.config import PARENT_SIDE, SandboxConfig, SandboxError, SandboxResult
 from tamer.tools.sandbox.plan import make_plan
 
-
 # -E -s is -I without -P: the script's directory (the fresh workdir, holding only what the caller
 # passed in `files`) stays importable. -u so output printed before a kill is not lost in a buffer.
 _PYTHON_FLAGS = ("-E", "-s", "-u")
