@@ -118,7 +118,8 @@ def paired(diffs: list[float], margin: float | None = None, alpha: float = 0.05)
         p = 2 * (1 - t_cdf(abs(t), df))
     half = t_ppf(1 - alpha, df) * se
     out.update({"t": t, "p_two_sided": p, "ci90": [mean - half, mean + half] if alpha == 0.05 else None,
-                "above": sum(d > 0 for d in diffs), "below": sum(d < 0 for d in diffs), "ties": sum(d == 0 for d in diffs)})
+                "above": sum(d > 0 for d in diffs), "below": sum(d < 0 for d in diffs),
+                "ties": sum(d == 0 for d in diffs)})
     if margin is not None:
         if se == 0:
             p_tost = 0.0 if abs(mean) < margin else 1.0
@@ -176,7 +177,8 @@ def _reach(rows: list[dict], target: float, index: int, horizon: float) -> dict:
     tamer_first = sum(a < b for a, b in filled)
     trl_first = sum(b < a for a, b in filled)
     return {"tamer": [a for a, _ in pairs], "trl": [b for _, b in pairs],
-            "tamer_median": statistics.median(a for a, _ in filled), "trl_median": statistics.median(b for _, b in filled),
+            "tamer_median": statistics.median(a for a, _ in filled),
+            "trl_median": statistics.median(b for _, b in filled),
             "tamer_never": sum(a is None for a, _ in pairs), "trl_never": sum(b is None for _, b in pairs),
             "tamer_first": tamer_first, "trl_first": trl_first, "ties": len(pairs) - tamer_first - trl_first,
             "sign_test_p": binom_two_sided(tamer_first, tamer_first + trl_first), "censored_at": horizon}
@@ -210,7 +212,8 @@ def learning_summary(rows: list[dict], *, seeds: list[int], target: float, margi
     # Seconds: a grid up to the shorter run's end in every seed (both curves defined there).
     end = min(min(r["tamer_curve"][-1][1], r["trl_curve"][-1][1]) for r in rows)
     grid = [end * i / grid_points for i in range(grid_points + 1)]
-    by_time = np.array([[accuracy_at(r["tamer_curve"], t) - accuracy_at(r["trl_curve"], t) for t in grid] for r in rows])
+    by_time = np.array([[accuracy_at(r["tamer_curve"], t) - accuracy_at(r["trl_curve"], t) for t in grid]
+                        for r in rows])
     out["curve_by_seconds"] = {"seconds": [round(t, 3) for t in grid], **max_t_permutation(by_time, flips)}
     out["auc_by_seconds"] = paired(by_time.mean(1).tolist(), margin)
     return out

@@ -104,7 +104,7 @@ def bench_size(name: str, repeats: int, kv_cache_gib: int) -> dict:
     try:
         for workload, fn in WORKLOADS.items():
             rates: dict[str, list[float]] = {key: [] for key in engines}
-            for key, engine in engines.items():  # warm-up, untimed
+            for engine in engines.values():  # warm-up, untimed
                 fn(engine, tokenizer, tasks, stop_ids)
             for r in range(repeats):
                 order = list(engines) if r % 2 == 0 else list(reversed(engines))
@@ -116,7 +116,7 @@ def bench_size(name: str, repeats: int, kv_cache_gib: int) -> dict:
             entry["vllm_over_hf"] = entry["vllm"]["median"] / entry["hf"]["median"]
             result["workloads"][workload] = entry
         syncs = []
-        for r in range(repeats):
+        for _ in range(repeats):
             with torch.no_grad():
                 model.lm_head.weight.add_(1e-3)  # any write: the next sync is a real one
             t0 = time.perf_counter()
@@ -140,7 +140,10 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cpu_flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    cpu_flags = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            cpu_flags = f.read()
     report = {
         "machine": {"cpus": os.cpu_count(), "avx512f": "avx512f" in cpu_flags, "python": platform.python_version(),
                     "torch": torch.__version__, "threads": torch.get_num_threads(),

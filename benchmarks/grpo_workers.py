@@ -151,7 +151,8 @@ def summarize(spec: dict, step_seconds: list[float], cpu_seconds: list[float], g
     import torch
     timed = step_seconds[spec["warmup"]:]
     gen_tokens = sum(generated[spec["warmup"]:])
-    phase_median = {k: statistics.median(p.get(k, 0.0) for p in phases[spec["warmup"]:]) for k in phases[-1]} if phases else {}
+    phase_median = ({k: statistics.median(p.get(k, 0.0) for p in phases[spec["warmup"]:]) for k in phases[-1]}
+                    if phases else {})
     return {"s_per_step": statistics.median(timed), "step_seconds": [round(s, 4) for s in step_seconds],
             "cpu_s_per_step": statistics.median(cpu_seconds[spec["warmup"]:]),
             "gen_tokens_per_s": gen_tokens / sum(timed), "generated_tokens_per_step": gen_tokens / len(timed),
@@ -217,7 +218,8 @@ def run_tamer(spec: dict) -> dict:
              for gen, (learn, prefill) in zip(generated, learner_tokens)]
     achieved = sum(flops[w:]) / sum(seconds[w:]) / 1e9
     cfg = model.config
-    shapes = [(1024, 1024, 1024), (spec["prompts_per_step"] * spec["group_size"] * 48, cfg.hidden_size, cfg.intermediate_size)]
+    shapes = [(1024, 1024, 1024),
+              (spec["prompts_per_step"] * spec["group_size"] * 48, cfg.hidden_size, cfg.intermediate_size)]
     rates = matmul_gflops(spec["precision"], shapes) if not spec["eval_every"] else [{"gflops": float("nan")}] * 2
     return summarize(spec, seconds, cpu, generated, phases, model_params=params, curve=curve, trace=trace,
                      achieved_gflops=achieved, matmul_gflops_1024=rates[0]["gflops"],
@@ -309,9 +311,11 @@ def run_trl(spec: dict) -> dict:
 
     trainer.add_callback(Clock())
     trainer.train()
-    trace = [(log["reward"], log["grad_norm"]) for log in trainer.state.log_history if "grad_norm" in log and "reward" in log]
+    trace = [(log["reward"], log["grad_norm"]) for log in trainer.state.log_history
+             if "grad_norm" in log and "reward" in log]
     return summarize(spec, seconds, cpu, generated, phases, model_params=count_parameters(model), curve=curve,
-                     trace=trace, trl_version=__import__("trl").__version__, gradient_checkpointing=bool(state["checkpointing"]),
+                     trace=trace, trl_version=__import__("trl").__version__,
+                     gradient_checkpointing=bool(state["checkpointing"]),
                      use_bias_correction_kl=args.use_bias_correction_kl)
 
 

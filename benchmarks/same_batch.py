@@ -37,7 +37,8 @@ def same_batch(args, tmp: Path, sft_checkpoint) -> None:
         return loss.item(), torch.cat([p.grad.flatten().clone() for p in model.parameters()])
 
     tamer_loss, tamer_grad = grads(lambda: tamer.loss(batch)[0])
-    trl = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=lambda completions, **_: [0.0] * len(completions),
+    trl = GRPOTrainer(model=model, processing_class=tokenizer,
+                      reward_funcs=lambda completions, **_: [0.0] * len(completions),
                       args=trl_config(spec), train_dataset=__import__("datasets").Dataset.from_list(
                           [{"prompt": list(t.messages)} for t in prompts]))
     trl.current_gradient_accumulation_steps = 1  # set by Trainer.train(); _compute_loss reads it
@@ -47,7 +48,8 @@ def same_batch(args, tmp: Path, sft_checkpoint) -> None:
     # TRL's advantages: the same unbiased group std, with TRL's eps (1e-4; tamer's default is 1e-6)
     trl_adv = ADVANTAGES.get("grpo")(batch.rewards, batch.group_ids, eps=1e-4)
     inputs = dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                  completion_mask=completion_mask, num_items_in_batch=completion_mask.sum().float(), old_per_token_logps=None)
+                  completion_mask=completion_mask, num_items_in_batch=completion_mask.sum().float(),
+                  old_per_token_logps=None)
     trl_loss, trl_grad = grads(lambda: trl._compute_loss(model, dict(inputs, advantages=trl_adv)))
     _, trl_grad_same_adv = grads(lambda: trl._compute_loss(model, dict(inputs, advantages=batch.advantages)))
     with torch.no_grad():
@@ -63,7 +65,8 @@ def same_batch(args, tmp: Path, sft_checkpoint) -> None:
         "rows": len(trajs), "mean_reward": float(batch.rewards.mean()), "logprob_max_abs_diff": diff,
         "tamer_loss": tamer_loss, "trl_loss": trl_loss, "tamer_grad_norm": float(tamer_grad.norm()),
         "trl_grad_norm": float(trl_grad.norm()), "grad_rel_diff": rel(tamer_grad, trl_grad),
-        "grad_rel_diff_same_advantages": rel(tamer_grad, trl_grad_same_adv), "trl_version": __import__("trl").__version__,
+        "grad_rel_diff_same_advantages": rel(tamer_grad, trl_grad_same_adv),
+        "trl_version": __import__("trl").__version__,
     }), flush=True)
 
 

@@ -57,8 +57,9 @@ def prepare(task: str, out: Path, seed: int) -> dict:
         pickle.dump([(e.prompt_ids, e.completion_ids, e.completion_mask) for e in examples], f)
     optim = config.sft.optim
     return {"model": str(out / "model"), "examples": str(out / "examples.pkl"), "batch_size": config.sft.batch_size,
-            "lr": optim.lr, "warmup": optim.warmup_steps, "schedule": optim.schedule, "min_lr_ratio": optim.min_lr_ratio,
-            "max_grad_norm": optim.max_grad_norm, "weight_decay": optim.weight_decay, "schedule_steps": config.sft.steps,
+            "lr": optim.lr, "warmup": optim.warmup_steps, "schedule": optim.schedule,
+            "min_lr_ratio": optim.min_lr_ratio, "max_grad_norm": optim.max_grad_norm,
+            "weight_decay": optim.weight_decay, "schedule_steps": config.sft.steps,
             "task": task, "data_seed": config.sft.seed}
 
 
@@ -75,7 +76,8 @@ def _order(spec: dict, examples) -> list[list[int]]:
     return [next(batches) for _ in range(spec["steps"])]
 
 
-def _result(spec: dict, seconds: list[float], cpu: list[float], tokens: list[int], losses: list[float], **extra) -> dict:
+def _result(spec: dict, seconds: list[float], cpu: list[float], tokens: list[int], losses: list[float],
+            **extra) -> dict:
     w = spec["warmup_steps"]
     return {"s_per_step": statistics.median(seconds[w:]), "cpu_s_per_step": statistics.median(cpu[w:]),
             "tokens_per_s": sum(tokens[w:]) / sum(seconds[w:]), "tokens_per_cpu_s": sum(tokens[w:]) / sum(cpu[w:]),
@@ -167,7 +169,8 @@ def run_trl(spec: dict) -> dict:
 
     class Clock(TrainerCallback):
         def on_train_begin(self, *a, **k):
-            state["checkpointing"] = sum(bool(getattr(m, "gradient_checkpointing", False)) for m in trainer.model.modules())
+            state["checkpointing"] = sum(bool(getattr(m, "gradient_checkpointing", False))
+                                         for m in trainer.model.modules())
             if state["checkpointing"]:
                 raise RuntimeError("TRL's model runs activation checkpointing")
             state["last"], state["cpu"] = time.perf_counter(), time.process_time()
@@ -223,7 +226,8 @@ def compare(args, data: dict, tmp: Path) -> None:
                "tokens_per_cpu_s": round(statistics.median(r["tokens_per_cpu_s"] for r in results), 1),
                "s_per_step": round(statistics.median(r["s_per_step"] for r in results), 4),
                "tokens_per_step": round(results[0]["tokens_per_step"], 1), "losses": results[0]["losses"]}
-        row.update({k: results[0][k] for k in ("gradient_checkpointing", "trl_version", "lean_forward") if k in results[0]})
+        row.update({k: results[0][k] for k in ("gradient_checkpointing", "trl_version", "lean_forward")
+                    if k in results[0]})
         print(json.dumps(row), flush=True)
     tamer = runs[f"tamer:{args.tamer_layouts[0]}"]
     best = max(args.trl_layouts, key=lambda lay: statistics.median(r["tokens_per_s"] for r in runs[f"trl:{lay}"]))
@@ -238,7 +242,8 @@ def compare(args, data: dict, tmp: Path) -> None:
         "speedup_max": round(max(speedups), 3), "speedups": [round(s, 3) for s in speedups],
         "cpu_speedup_median": round(statistics.median(cpu_speedups), 3), "target": 1.5,
         "target_met": min(speedups) >= 1.5,
-        "loss_curve_vs_trl": {lay: curve_gap(tamer[0]["losses"], runs[f"trl:{lay}"][0]["losses"]) for lay in same_batches},
+        "loss_curve_vs_trl": {lay: curve_gap(tamer[0]["losses"], runs[f"trl:{lay}"][0]["losses"])
+                              for lay in same_batches},
     }), flush=True)
 
 

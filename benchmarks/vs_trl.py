@@ -93,13 +93,15 @@ def speed_row(size: str, path: str, spec: dict, tamer: list[dict], trl: list[dic
         "precision": spec["precision"], "cpu_bf16_units": tamer[0]["cpu_bf16_units"],
         "pairs": len(tamer), "steps_timed": spec["total_steps"] - spec["warmup"],
         "tamer_threads": tamer[0]["threads"], "trl_threads": trl[0]["threads"],
-        "tamer_s_per_step": round(statistics.median(t_steps), 4), "trl_s_per_step": round(statistics.median(r_steps), 4),
+        "tamer_s_per_step": round(statistics.median(t_steps), 4),
+        "trl_s_per_step": round(statistics.median(r_steps), 4),
         "tamer_s_per_step_runs": [round(s, 4) for s in t_steps], "trl_s_per_step_runs": [round(s, 4) for s in r_steps],
         **ratio_summary(t_steps, r_steps, target_for(path, spec["beta"])),
         # process CPU seconds per step: less sensitive to other load than wall-clock (at one thread: the work)
         "tamer_cpu_s_per_step": round(_median(tamer, "cpu_s_per_step"), 4),
         "trl_cpu_s_per_step": round(_median(trl, "cpu_s_per_step"), 4),
-        "cpu_ratio_median": round(statistics.median(a["cpu_s_per_step"] / b["cpu_s_per_step"] for a, b in zip(tamer, trl)), 3),
+        "cpu_ratio_median": round(statistics.median(a["cpu_s_per_step"] / b["cpu_s_per_step"]
+                                                    for a, b in zip(tamer, trl)), 3),
         "trl_gradient_checkpointing": any(r["gradient_checkpointing"] for r in trl),
         "trl_use_bias_correction_kl": trl[0]["use_bias_correction_kl"],
         "tamer_fast_forward": tamer[0]["fast_forward"],
@@ -187,11 +189,13 @@ def _seeds(text: str) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="1m,20m,1m-llama3", type=lambda s: s.split(","), help=f"of {', '.join(SIZES)}")
+    parser.add_argument("--sizes", default="1m,20m,1m-llama3", type=lambda s: s.split(","),
+                        help=f"of {', '.join(SIZES)}")
     parser.add_argument("--betas", default="0,0.04", type=lambda s: [float(b) for b in s.split(",")])
     parser.add_argument("--precisions", default="fp32,bf16", type=lambda s: s.split(","))
     parser.add_argument("--paths", default="fast,general", type=lambda s: s.split(","),
-                        help="fast: tamer's lean forward where supported; general: the HF forward in engine and learner")
+                        help="fast: tamer's lean forward where supported; general: the HF forward in engine and "
+                             "learner")
     parser.add_argument("--pairs", type=int, default=3, help="interleaved tamer/TRL pairs per setting")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per run (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")

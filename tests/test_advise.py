@@ -60,7 +60,8 @@ def _sky_dataset(path, correct_rate: float, rows: int = 300):
     with path.open("w") as fh:
         for i in range(rows):
             reply = "blue" if rng.random() < correct_rate else "red"
-            fh.write(json.dumps({"prompt": f"sky {i}", "answer": "blue", "completion": f"<answer>{reply}</answer>"}) + "\n")
+            fh.write(json.dumps({"prompt": f"sky {i}", "answer": "blue",
+                                 "completion": f"<answer>{reply}</answer>"}) + "\n")
     return path
 
 

@@ -109,7 +109,8 @@ def test_replay_matches_sampled_layout(tokenizer):
     turns = src.demonstrate_turns(task, random.Random(1))
     config = AgentConfig(max_turns=10, max_total_tokens=3000, show_tools=False)
     replayed = AgentRollout(None, tokenizer, config).replay(task, turns)
-    sampled = AgentRollout(ScriptedEngine(tokenizer, turns), tokenizer, config).run([task], SamplingParams(n=1, max_new_tokens=200))[0]
+    sampled = AgentRollout(ScriptedEngine(tokenizer, turns), tokenizer, config).run(
+        [task], SamplingParams(n=1, max_new_tokens=200))[0]
     assert replayed.completion_ids == sampled.completion_ids and replayed.loss_mask == sampled.loss_mask
     assert replayed.info["success"] and replayed.info["cost_ratio"] >= 1.0
 
@@ -158,7 +159,8 @@ ENVIRONMENTS.register("test_faulty")(lambda: _Faulty(ToolEnvConfig(tool_timeout_
 def test_error_paths_become_observations_and_metrics(tokenizer, turn, kind):
     task = Task(id="f", messages=({"role": "user", "content": "go"},), answer="3", env="test_faulty")
     engine = ScriptedEngine(tokenizer, [turn, "<answer>3</answer>"])
-    traj = AgentRollout(engine, tokenizer, AgentConfig(max_turns=4, show_tools=True)).run([task], SamplingParams(max_new_tokens=100))[0]
+    traj = AgentRollout(engine, tokenizer, AgentConfig(max_turns=4, show_tools=True)).run(
+        [task], SamplingParams(max_new_tokens=100))[0]
     assert traj.turns[0].errors == [kind]
     assert "error" in traj.turns[0].tool_results[0]
     assert traj.info["success"] is True  # the run went on to the answer
@@ -211,9 +213,10 @@ def test_trip_planner_demo_end_to_end_small(tmp_path):
     out = tmp_path / "trip"
     args = ["demo", "--env", "trip_planner", "-o", str(out),
             "--set", "task.trip_planner.world.train_size=24", "--set", "task.trip_planner.world.heldout_size=4",
-            "--set", "model.tiny.hidden_size=32", "--set", "model.tiny.num_layers=1", "--set", "model.tiny.intermediate_size=64",
-            "--set", "sft.steps=3", "--set", "sft.batch_size=4", "--set", "rl.steps=1", "--set", "rl.prompts_per_step=2",
-            "--set", "rl.group_size=2", "--set", "rl.max_new_tokens=8",
+            "--set", "model.tiny.hidden_size=32", "--set", "model.tiny.num_layers=1",
+            "--set", "model.tiny.intermediate_size=64",
+            "--set", "sft.steps=3", "--set", "sft.batch_size=4", "--set", "rl.steps=1",
+            "--set", "rl.prompts_per_step=2", "--set", "rl.group_size=2", "--set", "rl.max_new_tokens=8",
             "--set", "eval.size=4", "--set", "eval.max_new_tokens=8", "--set", "tracking.tensorboard=false"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output

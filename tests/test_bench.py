@@ -56,7 +56,8 @@ def test_documented_trl_settings_are_set(spec):
         assert name in settings, f"docs/performance.md lists {name}, trl_settings() does not set it"
         assert settings[name] == _value(expression, spec), name
     assert settings["gradient_checkpointing"] is False and settings["use_bias_correction_kl"] is False
-    assert settings["logging_steps"] > settings["max_steps"] if not spec["eval_every"] else settings["logging_steps"] == 1
+    assert (settings["logging_steps"] > settings["max_steps"] if not spec["eval_every"]
+            else settings["logging_steps"] == 1)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install -e '.[bench]')")
@@ -119,7 +120,8 @@ def test_max_t_permutation_finds_a_real_shift_and_not_noise():
 
 def _row(seed, tamer, trl, tamer_s=1.0, trl_s=2.0):
     curve = lambda accs, s: [[5 * i, s * 5 * i, a] for i, a in enumerate(accs)]  # noqa: E731
-    return {"seed": seed, "steps": 20, "eval_every": 5, "tamer_curve": curve(tamer, tamer_s), "trl_curve": curve(trl, trl_s)}
+    return {"seed": seed, "steps": 20, "eval_every": 5, "tamer_curve": curve(tamer, tamer_s),
+            "trl_curve": curve(trl, trl_s)}
 
 
 def test_learning_summary_by_hand():
@@ -149,7 +151,8 @@ def test_accuracy_at_takes_the_last_evaluation_so_far():
 
 
 def test_summarize_cli_reports_missing_seeds(tmp_path):
-    """`vs_trl.py --summarize FILE --seeds ...` on per-seed rows: the statistics, and `complete` false while a seed is missing."""
+    """`vs_trl.py --summarize FILE --seeds ...` on per-seed rows: the statistics, and `complete` false
+    while a seed is missing."""
     import json
     import subprocess
     rows = [_row(0, [0.5, 0.9, 0.96, 0.97, 0.98], [0.5, 0.8, 0.95, 0.97, 0.99]),
@@ -170,9 +173,10 @@ def test_sft_vs_trl_smoke(tmp_path):
     """Both SFT sides run on the same batches: tokens per step equal, per-step losses equal."""
     import json
     import subprocess
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sft_vs_trl.py"), "--task", "arithmetic", "--steps", "3",
-                          "--warmup", "1", "--pairs", "1", "--threads", "1", "--trl-layouts", "padded",
-                          "--tamer-layouts", "packed"], capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sft_vs_trl.py"), "--task", "arithmetic",
+                          "--steps", "3", "--warmup", "1", "--pairs", "1", "--threads", "1",
+                          "--trl-layouts", "padded", "--tamer-layouts", "packed"],
+                         capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.strip().splitlines()]
     tamer, trl, summary = rows

@@ -55,7 +55,8 @@ def test_registered_and_split_disjoint_deterministic(split):
     assert not {t.id for t in train} & {t.id for t in heldout}
     assert not {t.messages[0]["content"] for t in train} & {t.messages[0]["content"] for t in heldout}
     again_train, again_heldout = CalculatorTasks(SMALL).split()
-    assert [t.id for t in again_heldout] == [t.id for t in heldout] and [t.id for t in again_train] == [t.id for t in train]
+    assert ([t.id for t in again_heldout] == [t.id for t in heldout]
+            and [t.id for t in again_train] == [t.id for t in train])
     assert all(t.env == "calculator" for t in train + heldout)
     assert {t.meta["template"] for t in heldout} == {"pens", "share", "tickets", "trees", "jars"}
     assert {t.meta["optimal_calls"] for t in heldout} == {2, 3}

@@ -17,7 +17,8 @@ def _prompts(tokenizer, n=4):
 
 def test_greedy_matches_hf_generate(tokenizer, tiny_model):
     prompts = _prompts(tokenizer)
-    out = HFEngine(tiny_model, tokenizer.pad_token_id).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
+    out = HFEngine(tiny_model, tokenizer.pad_token_id).generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
     ids, mask = _left_pad(prompts, tokenizer.pad_token_id)
     ref = tiny_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                               eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
@@ -42,7 +43,8 @@ def test_shared_prefix_equals_repeated_prompts(tokenizer, tiny_model):
     engine = HFEngine(tiny_model, tokenizer.pad_token_id)
     prompts = _prompts(tokenizer, 2)
     shared = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=11))
-    repeated = engine.generate([p for p in prompts for _ in range(4)], SamplingParams(n=1, temperature=1.0, max_new_tokens=12, seed=11))
+    repeated = engine.generate([p for p in prompts for _ in range(4)],
+                               SamplingParams(n=1, temperature=1.0, max_new_tokens=12, seed=11))
     flat_shared = [o for group in shared for o in group]
     flat_repeated = [group[0] for group in repeated]
     assert [o.token_ids for o in flat_shared] == [o.token_ids for o in flat_repeated]
@@ -57,14 +59,16 @@ def test_stop_tokens_end_each_sequence(tokenizer, tiny_model):
         tiny_model.lm_head.weight[tokenizer.eos_token_id] = 1.0
         tiny_model.model.norm.weight.fill_(10.0)
     out = HFEngine(tiny_model, tokenizer.pad_token_id).generate(
-        _prompts(tokenizer, 2), SamplingParams(n=2, temperature=0.0, max_new_tokens=9, stop_token_ids=(tokenizer.eos_token_id,)))
+        _prompts(tokenizer, 2), SamplingParams(n=2, temperature=0.0, max_new_tokens=9,
+                                               stop_token_ids=(tokenizer.eos_token_id,)))
     for group in out:
         for o in group:
             assert o.token_ids == [tokenizer.eos_token_id] and o.finish_reason == "stop"
 
 
 def test_length_finish_reason(tokenizer, tiny_model):
-    out = HFEngine(tiny_model, tokenizer.pad_token_id).generate(_prompts(tokenizer, 1), SamplingParams(temperature=0.0, max_new_tokens=5))
+    out = HFEngine(tiny_model, tokenizer.pad_token_id).generate(
+        _prompts(tokenizer, 1), SamplingParams(temperature=0.0, max_new_tokens=5))
     assert len(out[0][0].token_ids) == 5 and out[0][0].finish_reason == "length"
 
 
@@ -84,7 +88,8 @@ def test_collate_masks_prompt_and_padding(tokenizer, tiny_model):
 
 def test_micro_batches_respect_token_budget_and_keep_rows(tokenizer, tiny_model):
     rollout = Rollout(HFEngine(tiny_model, tokenizer.pad_token_id), tokenizer)
-    trajs = rollout.run(ArithmeticTasks().split()[1][:6], SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=2))
+    trajs = rollout.run(ArithmeticTasks().split()[1][:6],
+                        SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=2))
     batch = collate(trajs, torch.zeros(len(trajs)), tokenizer.pad_token_id)
     micro = micro_batches(batch, max_tokens=100)
     assert sum(len(m) for m in micro) == len(batch)

@@ -33,7 +33,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 16, "rope_theta": 500000.0}
 SUPPORTED = {
     "llama3_rope": lambda: LlamaConfig(**SIZE, rope_parameters=LLAMA3_ROPE),
-    "linear_rope": lambda: LlamaConfig(**SIZE, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+    "linear_rope": lambda: LlamaConfig(**SIZE, rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                                "rope_theta": 1e4}),
     "yarn_rope": lambda: LlamaConfig(**SIZE, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                                               "original_max_position_embeddings": 64}),
     "qwen3": lambda: Qwen3Config(**SIZE, head_dim=16),
@@ -49,13 +50,15 @@ SUPPORTED = {
                                    attn_logit_softcapping=0.5, final_logit_softcapping=2.0),
 }
 UNSUPPORTED = {
-    "dynamic_rope": lambda: LlamaConfig(**SIZE, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+    "dynamic_rope": lambda: LlamaConfig(**SIZE, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                 "rope_theta": 1e4}),
     "exact_gelu": lambda: LlamaConfig(**SIZE, hidden_act="gelu"),
     "mlp_bias": lambda: LlamaConfig(**SIZE, mlp_bias=True),
     "gemma3": lambda: Gemma3TextConfig(**SIZE, head_dim=16, sliding_window=5),
 }
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16], [20, 21, 22, 23, 24, 25]]
-ROWS = [PROMPTS[0] + [30, 31, 32, 33], PROMPTS[0] + [34, 35], PROMPTS[2] + [40, 41, 42, 43, 44, 45, 46], PROMPTS[2] + [47]]
+ROWS = [PROMPTS[0] + [30, 31, 32, 33], PROMPTS[0] + [34, 35], PROMPTS[2] + [40, 41, 42, 43, 44, 45, 46],
+        PROMPTS[2] + [47]]
 
 
 def build(name: str) -> torch.nn.Module:
@@ -139,7 +142,8 @@ def test_prefill_and_decode_with_kv_cache_equal_hf(name):
     n, extra = 2, 8  # 9-token prompts + 8 steps: past the 5-token windows
     with torch.inference_mode():
         cache = DynamicCache()
-        ref = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, cache=cache).logits[:, -1]
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    cache=cache).logits[:, -1]
         logits, kv = fast.prefill(ids, mask, positions, repeat=n, extra=extra)
         torch.testing.assert_close(logits, ref.repeat_interleave(n, 0), atol=1e-5, rtol=1e-5)
         cache.batch_repeat_interleave(n)
@@ -213,10 +217,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(name):
             assert model.is_activation_checkpointing
         grads, kept = [], [0]
 
-        def pack(t):
+        def pack(t, kept=kept):
             kept[0] += t.numel()
             return t
-        for fn in (lambda: token_logprobs(model, ids, mask), lambda: shared_prefix_logprobs(model, ids, mask, plen, index)):
+        forwards = (lambda model=model: token_logprobs(model, ids, mask),
+                    lambda model=model: shared_prefix_logprobs(model, ids, mask, plen, index))
+        for fn in forwards:
             model.zero_grad()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 lp = fn()
@@ -243,14 +249,17 @@ def test_model_gradient_checkpointing_trains_to_the_same_weights(tmp_path, monke
 
     tiny = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
     train, held = ArithmeticTasks().split()
-    rewards = RewardComposer(RewardConfig(weights={"correctness": 1.0, "length": 1.0}, params={"length": {"max_tokens": 8}}))
+    rewards = RewardComposer(RewardConfig(weights={"correctness": 1.0, "length": 1.0},
+                                          params={"length": {"max_tokens": 8}}))
     weights, recomputed = [], []
     checkpoint = torch.utils.checkpoint.checkpoint
-    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: recomputed.append(1) or checkpoint(*a, **k))
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint",
+                        lambda *a, **k: recomputed.append(1) or checkpoint(*a, **k))
     for checkpointing in (False, True):
         model, tokenizer = build_policy(ModelConfig(tiny=tiny, gradient_checkpointing=checkpointing))
         assert model.is_activation_checkpointing == checkpointing
-        cfg = RLConfig(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=8, optim=OptimConfig(lr=1e-3), eval_every=0)
+        cfg = RLConfig(steps=2, prompts_per_step=2, group_size=4, max_new_tokens=8, optim=OptimConfig(lr=1e-3),
+                       eval_every=0)
         RLTrainer(model, tokenizer, train, held, rewards, cfg, EvalConfig(size=2, max_new_tokens=4),
                   run_dir=tmp_path / str(checkpointing)).train()
         weights.append([p.detach().clone() for p in model.parameters()])
@@ -272,7 +281,8 @@ def test_bf16_weights_follow_the_hf_forward(name):
     assert ours.dtype == theirs.dtype == torch.bfloat16
     torch.testing.assert_close(ours[mask.bool()], theirs[mask.bool()], atol=1e-2, rtol=1e-2)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=3)
-    _assert_same_tokens(HFEngine(model, PAD).generate(PROMPTS, params), HFEngine(model, PAD, fast=False).generate(PROMPTS, params))
+    _assert_same_tokens(HFEngine(model, PAD).generate(PROMPTS, params),
+                        HFEngine(model, PAD, fast=False).generate(PROMPTS, params))
 
 
 def _assert_same_tokens(ours, theirs, atol=1e-2):

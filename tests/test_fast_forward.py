@@ -30,8 +30,8 @@ def _model(tokenizer, arch, **overrides):
     from transformers import AutoModelForCausalLM, LlamaConfig
     torch.manual_seed(0)
     hf = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_parameters=ROPES[rope],
-                     pad_token_id=tokenizer.pad_token_id)
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     rope_parameters=ROPES[rope], pad_token_id=tokenizer.pad_token_id)
     return AutoModelForCausalLM.from_config(hf).eval()
 
 
@@ -46,7 +46,8 @@ def test_prefill_and_decode_logits_equal_hf(tokenizer, arch):
     n, extra = 2, 6
     with torch.inference_mode():
         cache = DynamicCache()
-        ref = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, cache=cache).logits[:, -1]
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    cache=cache).logits[:, -1]
         logits, kv = fast.prefill(ids, mask, positions, repeat=n, extra=extra)
         torch.testing.assert_close(logits, ref.repeat_interleave(n, 0), atol=1e-5, rtol=1e-5)
         cache.batch_repeat_interleave(n)

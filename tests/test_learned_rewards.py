@@ -51,7 +51,8 @@ class _Counting:
 
 
 def test_reward_model_reward_scores_prompt_and_completion_text(rm_dir):
-    composer = RewardComposer(RewardConfig(weights={"reward_model": 2.0}, params={"reward_model": {"path": str(rm_dir)}}))
+    composer = RewardComposer(RewardConfig(weights={"reward_model": 2.0},
+                                           params={"reward_model": {"path": str(rm_dir)}}))
     fn = composer.functions["reward_model"]
     assert isinstance(fn, RewardModelReward) and isinstance(fn, BatchReward)
     trajs = [_traj("<answer>85</answer><|im_end|>"), _traj("<answer>84</answer><|im_end|>"),
@@ -110,7 +111,8 @@ def _rl(model, tokenizer, tmp_path, rm_dir, **overrides):
     train, held = ArithmeticTasks().split()
     rewards = RewardComposer(RewardConfig(weights={"reward_model": 1.0},
                                           params={"reward_model": {"path": str(rm_dir), "normalize": "batch"}}))
-    return RLTrainer(model, tokenizer, train, held, rewards, cfg, EvalConfig(size=4, max_new_tokens=8), run_dir=tmp_path)
+    return RLTrainer(model, tokenizer, train, held, rewards, cfg, EvalConfig(size=4, max_new_tokens=8),
+                     run_dir=tmp_path)
 
 
 def test_reward_model_reward_in_a_grpo_step(tiny_model, tokenizer, tmp_path, rm_dir):
@@ -198,7 +200,8 @@ def test_local_hf_judge_from_config(tiny_model, tokenizer, tmp_path):
 def _pairs_file(path, n=20):
     import json
 
-    rows = [{"prompt": f"{a} kg + {a} kg", "chosen": f"<answer>{2 * a} kg</answer>", "rejected": f"<answer>{2 * a}</answer>"}
+    rows = [{"prompt": f"{a} kg + {a} kg", "chosen": f"<answer>{2 * a} kg</answer>",
+             "rejected": f"<answer>{2 * a}</answer>"}
             for a in range(1, n + 1)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -35,14 +35,17 @@ def test_chat_template_lists_tools_in_system_turn(tokenizer):
 
 
 def test_tiny_model_is_deterministic_per_seed(tokenizer):
-    a = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, seed=3))
-    b = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64, seed=3))
+    a = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64,
+                                                    seed=3))
+    b = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64,
+                                                    seed=3))
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert count_parameters(a) > 0
 
 
 def test_llama_arch_builds(tokenizer):
-    model = build_tiny_model(tokenizer, TinyModelConfig(arch="llama", hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64))
+    model = build_tiny_model(tokenizer, TinyModelConfig(arch="llama", hidden_size=32, num_layers=1, num_heads=4,
+                                                        intermediate_size=64))
     assert model.config.model_type == "llama"
 
 
@@ -51,7 +54,8 @@ def test_save_then_load_in_plain_transformers(tmp_path, tokenizer, tiny_model):
     plain_tok = AutoTokenizer.from_pretrained(tmp_path / "m")
     plain_model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     text = "<|im_start|>user\n12+34<|im_end|>\n<answer>46</answer>"
-    assert plain_tok(text, add_special_tokens=False)["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert (plain_tok(text, add_special_tokens=False)["input_ids"]
+            == tokenizer(text, add_special_tokens=False)["input_ids"])
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
     torch.testing.assert_close(plain_model(ids).logits, tiny_model(ids).logits)
     model, tok = load_model(tmp_path / "m")

@@ -51,13 +51,15 @@ def test_in_place_cache_decode_samples_like_plain_loop(tokenizer, tiny_model):
         seqs, lps = ids.clone(), []
         for _ in range(params.max_new_tokens):
             am = torch.cat([mask, torch.ones(len(prompts), seqs.shape[1] - ids.shape[1], dtype=torch.long)], 1)
-            logits = tiny_model(input_ids=seqs, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits[:, -1]
+            logits = tiny_model(input_ids=seqs, attention_mask=am,
+                                position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits[:, -1]
             token, lp = sample_tokens(logits, params, generator)
             seqs = torch.cat([seqs, token[:, None]], 1)
             lps.append(lp)
     plain_tokens = seqs[:, ids.shape[1]:].tolist()
     assert [g[0].token_ids for g in engine_out] == plain_tokens
-    torch.testing.assert_close(torch.tensor([g[0].logprobs for g in engine_out]), torch.stack(lps, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.tensor([g[0].logprobs for g in engine_out]), torch.stack(lps, 1),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_single_prompt_matches_unbatched_plain_sampler(tokenizer, tiny_model):
@@ -71,7 +73,8 @@ def test_single_prompt_matches_unbatched_plain_sampler(tokenizer, tiny_model):
 
 def _batch(tokenizer, model, n=4, tasks=3):
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=10, stop_token_ids=stop_token_ids(tokenizer), seed=2)
-    trajs = Rollout(HFEngine(model, tokenizer.pad_token_id), tokenizer).run(ArithmeticTasks().split()[1][:tasks], params)
+    trajs = Rollout(HFEngine(model, tokenizer.pad_token_id), tokenizer).run(
+        ArithmeticTasks().split()[1][:tasks], params)
     trajs[0].prompt_ids = trajs[0].prompt_ids[3:]  # a prompt of another length, alone in its prefix group
     return collate(trajs, torch.zeros(len(trajs)), tokenizer.pad_token_id)
 
@@ -122,7 +125,8 @@ def test_shared_prefix_step_equals_plain_step(tokenizer, tmp_path):
         model = build_tiny_model(tokenizer, TINY)
         metrics = _trainer(model, tokenizer, tmp_path, share_prompt_prefix=share).train_step()
         moved.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-        assert not torch.equal(moved[-1], torch.cat([p.flatten() for p in build_tiny_model(tokenizer, TINY).parameters()]))
+        assert not torch.equal(moved[-1],
+                               torch.cat([p.flatten() for p in build_tiny_model(tokenizer, TINY).parameters()]))
         assert metrics["train/sampler_logprob_gap"] < 1e-4  # fp32: sampler and learner agree
     # Adam divides by sqrt(v): a 1e-7 gradient difference on a near-zero gradient moves ~1% of lr.
     torch.testing.assert_close(moved[0], moved[1], atol=1e-5, rtol=1e-4)
@@ -192,7 +196,8 @@ def test_vs_trl_same_batch_gives_trls_gradient(tmp_path):
 
 
 def test_fast_forward_off_runs_the_hf_forward_everywhere(tokenizer, tiny_model, tmp_path, monkeypatch):
-    """rl.fast_forward=false: the engine and the learner take the HF forward (the general path vs_trl --paths general measures)."""
+    """rl.fast_forward=false: the engine and the learner take the HF forward (the general path
+    vs_trl --paths general measures)."""
     from tamer.models.fast_forward import FastDecoder
 
     def refuse(*a, **k):

@@ -89,7 +89,8 @@ def test_preference_demo_end_to_end_tiny(tmp_path):
         assert [p["step"] for p in run["curve"]] == [0, 1, 2] and run["reward_errors"] == 0
         assert run["curve"][0] == summary["sft"]  # every variant starts from the same SFT model
         assert abs(run["curve"][0]["kl_to_sft"]) < 1e-4  # KL of the SFT model to itself
-        assert len(run["examples"]) == 6 and (tmp_path / run["model_path"].split(str(tmp_path))[-1].lstrip("/")).is_dir()
+        assert (len(run["examples"]) == 6
+                and (tmp_path / run["model_path"].split(str(tmp_path))[-1].lstrip("/")).is_dir())
     assert summary["rm"]["heldout_pairs"] == 16 and (tmp_path / "rlhf.png").is_file()
     assert len(summary["rm"]["probe"]) == 8 and "prompt" in summary["rm"]["probe"]  # the prompt and 7 replies
     assert len((tmp_path / "preferences.jsonl").read_text().splitlines()) == 64

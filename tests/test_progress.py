@@ -86,7 +86,8 @@ def test_sft_reports_every_step_and_evaluation_its_progress(tiny_model, tokenize
     out = io.StringIO()
     train, held = ArithmeticTasks().split()
     data = demonstrations(ArithmeticTasks(), train[:32], tokenizer)
-    with Tracker(tmp_path, tensorboard=False, stream=out, total_steps=12, console_every=5, description="sft") as tracker:
+    with Tracker(tmp_path, tensorboard=False, stream=out, total_steps=12, console_every=5,
+                 description="sft") as tracker:
         SFTTrainer(tiny_model, tokenizer, data, SFTConfig(steps=12, batch_size=4, log_every=25)).train(tracker)
         rollout = Rollout(HFEngine(tiny_model, tokenizer.pad_token_id, max_batch=4), tokenizer)
         evaluate(rollout, held[:10], EvalConfig(size=10, max_new_tokens=4), stop_token_ids(tokenizer))

@@ -111,7 +111,8 @@ def test_pairs_from_parquet(tmp_path):
     ({"prompt": "", "chosen": "a", "rejected": "b"}, "row 3: missing or empty column 'prompt'"),
     ({"prompt": "x", "chosen": "a", "rejected": "a"}, "row 3: chosen and rejected replies are identical"),
     ({"prompt": "x", "chosen": 7, "rejected": "b"}, "row 3: missing or empty column 'chosen'"),
-    ({"prompt": "x", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}, "last message must be the assistant's"),
+    ({"prompt": "x", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"},
+     "last message must be the assistant's"),
     ({"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"}, "column 'prompt', message 0"),
     ({**GOOD, "margin": "big"}, "row 3: column 'margin' must be a number >= 0"),
     ({**GOOD, "margin": -1}, "row 3: column 'margin' must be a number >= 0"),
@@ -201,7 +202,8 @@ def test_pairs_from_hf_datasets_directory_and_saved_dataset(tmp_path):
     assert (len(train), len(held)) == (6, 3) and held[0].chosen == "<answer>7 kg!</answer>"
     assert train[0].source == f"{folder}, row 1"
     saved = tmp_path / "saved"
-    datasets.DatasetDict({"train": datasets.Dataset.from_list([GOOD] * 4 + [{**GOOD, "rejected": ""}])}).save_to_disk(saved)
+    rows = [GOOD] * 4 + [{**GOOD, "rejected": ""}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(saved)
     with pytest.raises(DatasetError, match=f"{saved}, row 5: missing or empty column 'rejected'"):
         load_preference_pairs(PreferenceDataConfig(hf_dataset=str(saved)))
     with pytest.raises(DatasetError, match="could not be loaded"):

@@ -28,7 +28,8 @@ def _trainer(model, tokenizer, tmp_path, tracker=None, **overrides):
                       "optim": OptimConfig(lr=1e-3), "eval_every": 0, "algorithm": algorithm, **overrides})
     train, held = ArithmeticTasks().split()
     # A dense reward (length) guarantees spread within groups even for an untrained model.
-    rewards = RewardComposer(RewardConfig(weights={"correctness": 1.0, "length": 1.0}, params={"length": {"max_tokens": 8}}))
+    rewards = RewardComposer(RewardConfig(weights={"correctness": 1.0, "length": 1.0},
+                                          params={"length": {"max_tokens": 8}}))
     return RLTrainer(model, tokenizer, train, held, rewards, cfg, EVAL, run_dir=tmp_path, tracker=tracker)
 
 
@@ -99,7 +100,8 @@ def test_resume_matches_uninterrupted_run(tokenizer, tmp_path):
     full = _metrics_after(build_tiny_model(tokenizer, TINY), tokenizer, tmp_path / "full", steps=4)
     _metrics_after(build_tiny_model(tokenizer, TINY), tokenizer, tmp_path / "part", steps=2)  # "crash" after step 2
     with Tracker(tmp_path / "part", console=False, tensorboard=False, append=True) as tracker:
-        trainer = _trainer(build_tiny_model(tokenizer, TINY), tokenizer, tmp_path / "part", tracker, steps=4, checkpoint_every=2)
+        trainer = _trainer(build_tiny_model(tokenizer, TINY), tokenizer, tmp_path / "part", tracker, steps=4,
+                           checkpoint_every=2)
         assert trainer.resume(tmp_path / "part" / "checkpoints" / "step-000002") == 2
         trainer.train()
     resumed = {r["step"]: r for r in read_metrics(tmp_path / "part" / "metrics.jsonl")}
@@ -147,7 +149,8 @@ def test_ppo_with_critic_trains(tiny_model, tokenizer, tmp_path, shared):
 
     log = _Collect()
     trainer = _trainer(tiny_model, tokenizer, tmp_path, log, steps=2, ppo_epochs=2,
-                       algorithm=AlgorithmConfig(advantage="gae"), critic=CriticConfig(shared=shared, kl_in_reward=0.05))
+                       algorithm=AlgorithmConfig(advantage="gae"),
+                       critic=CriticConfig(shared=shared, kl_in_reward=0.05))
     head_before = trainer.advantage.model.head.weight.detach().clone()
     trainer.train()
     assert trainer.ref_model is not None  # KL in the reward needs the reference

@@ -128,7 +128,8 @@ def test_nan_and_inf_metrics_are_written_as_null_strict_json(tmp_path):
     assert read_metrics(tmp_path)[0]["eval/accuracy"] is None and read_metrics(tmp_path)[0]["loss"] is None
     plot_metrics(tmp_path, tmp_path / "p.png", keys=("eval/accuracy",))  # nulls are skipped, not a crash
     write_json(tmp_path / "summary.json", {"sft_loss": float("nan"), "nested": [float("-inf"), 1.0]})
-    assert json.loads((tmp_path / "summary.json").read_text(), parse_constant=reject) == {"sft_loss": None, "nested": [None, 1.0]}
+    assert (json.loads((tmp_path / "summary.json").read_text(), parse_constant=reject)
+            == {"sft_loss": None, "nested": [None, 1.0]})
 
 
 # ---------------------------------------------------------------------------- 5. resume edge cases
@@ -190,7 +191,8 @@ def test_disk_full_during_checkpoint_is_one_line_naming_the_path(tmp_path, monke
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1234 vs 1180")
 
     monkeypatch.setattr(torch, "save", torch_save_fails)
-    result = runner.invoke(app, ["train", "-o", str(tmp_path / "run"), *_cli_sets("rl.steps=2", "rl.checkpoint_every=1")])
+    result = runner.invoke(app, ["train", "-o", str(tmp_path / "run"),
+                                 *_cli_sets("rl.steps=2", "rl.checkpoint_every=1")])
     assert result.exit_code == 2, result.output
     line = " ".join(result.output.split())
     assert "checkpoints/step-000001" in line and "cannot write a checkpoint" in line and "disk full" in line
@@ -214,7 +216,7 @@ def test_unwritable_output_dir_is_one_line_before_any_work(tmp_path):
     parent.mkdir(mode=0o555)
     os.chmod(tmp_path, 0o755)
     out = parent / "run"
-    with _as_nobody():
+    with _AsNobody():
         result = runner.invoke(app, ["train", "-o", str(out), *_cli_sets()])
     assert result.exit_code == 2, result.output
     line = " ".join(result.output.split())
@@ -222,7 +224,7 @@ def test_unwritable_output_dir_is_one_line_before_any_work(tmp_path):
     assert len(result.output.strip().splitlines()) <= 2
 
 
-class _as_nobody:
+class _AsNobody:
     def __enter__(self):
         self.root = os.geteuid() == 0
         if self.root:

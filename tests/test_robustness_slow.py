@@ -7,6 +7,7 @@ runs, a really full disk (a small tmpfs, as root).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -98,7 +99,8 @@ def test_signal_stops_after_the_step_and_resume_is_bitwise_exact(tmp_path, comma
 
 def test_second_signal_exits_at_once(tmp_path):
     out = tmp_path / "run"
-    long_steps = ["rl.steps=50", "rl.prompts_per_step=16", "rl.max_new_tokens=160", "model.tiny.max_position_embeddings=512"]
+    long_steps = ["rl.steps=50", "rl.prompts_per_step=16", "rl.max_new_tokens=160",
+                  "model.tiny.max_position_embeddings=512"]
     proc = _spawn(_cli("train", "-o", str(out), sets=long_steps))
     _wait_for(lambda: _logged_step(out / "rl", 1) or proc.poll() is not None)
     proc.send_signal(signal.SIGTERM)
@@ -233,10 +235,8 @@ def test_killed_supervisor_leaves_no_process_and_no_workdir(tmp_path, how, signu
         supervisor.kill()
         supervisor.wait()
         for pid in _in(workdir) if workdir else ():  # if the test failed: leave nothing running
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
 
 
 # ---------------------------------------------------------------------------- a really full disk

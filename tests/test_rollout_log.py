@@ -37,7 +37,8 @@ def _train(model, tokenizer, run_dir, rollout_log, steps=3, append=False, resume
     cfg = RLConfig(steps=steps, prompts_per_step=4, group_size=4, max_new_tokens=8, optim=OptimConfig(lr=1e-3),
                    eval_every=2, checkpoint_every=2)
     train, held = ArithmeticTasks().split()
-    rewards = RewardComposer(RewardConfig(weights={"correctness": 1.0, "length": 1.0}, params={"length": {"max_tokens": 8}}))
+    rewards = RewardComposer(RewardConfig(weights={"correctness": 1.0, "length": 1.0},
+                                          params={"length": {"max_tokens": 8}}))
     with Tracker(run_dir, console=False, tensorboard=False, append=append) as tracker:
         trainer = RLTrainer(model, tokenizer, train, held, rewards, cfg, EvalConfig(size=5, max_new_tokens=8),
                             run_dir=run_dir, tracker=tracker, rollout_log=rollout_log)
@@ -162,7 +163,8 @@ def test_tensorboard_gets_the_rollouts_as_a_text_table(tmp_path):
 
     record = {"kind": "train", "step": 3, "group": 1, "sample": 0, "reward": 1.0, "rewards": {"correctness": 1.0},
               "advantage": 0.5, "logprob_gap": 0.0, "truncated": False, "num_tool_calls": 0, "num_errors": 0,
-              "completion": "<answer>85</answer>", "task": {"messages": [{"role": "user", "content": "47+38"}], "answer": "85"}}
+              "completion": "<answer>85</answer>",
+              "task": {"messages": [{"role": "user", "content": "47+38"}], "answer": "85"}}
     with Tracker(tmp_path, console=False) as tracker:
         tracker.log_rollouts([record], step=3)
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})

@@ -41,9 +41,9 @@ def _live_processes_marked(marker: str) -> list[int]:
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if needle in Path("/proc", pid, "environ").read_bytes().split(b"\0"):
-                if not Path("/proc", pid, "stat").read_text().rsplit(")", 1)[1].startswith(" Z"):
-                    pids.append(int(pid))
+            if (needle in Path("/proc", pid, "environ").read_bytes().split(b"\0")
+                    and not Path("/proc", pid, "stat").read_text().rsplit(")", 1)[1].startswith(" Z")):
+                pids.append(int(pid))
         except OSError:
             continue
     return pids
@@ -248,7 +248,8 @@ class _Server:
 
 def _connect_code(connect: str) -> str:
     """A program that runs the statement `connect` and prints whether it got through."""
-    return f"import socket\ntry:\n    {connect}\n    print('connected')\nexcept OSError as exc:\n    print('blocked', exc)"
+    return (f"import socket\ntry:\n    {connect}\n    print('connected')\n"
+            "except OSError as exc:\n    print('blocked', exc)")
 
 
 def _tcp_connect_code(port: int) -> str:

@@ -57,11 +57,11 @@ def test_trainer_padding_free_follows_the_padded_run(tokenizer):
     for padding_free in (True, False):
         model = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                                                             intermediate_size=64))
-        trainer = SFTTrainer(model, tokenizer, data, SFTConfig(steps=3, batch_size=5, log_every=1, padding_free=padding_free,
-                                                               optim=OptimConfig(lr=1e-3)))
+        trainer = SFTTrainer(model, tokenizer, data, SFTConfig(steps=3, batch_size=5, log_every=1,
+                                                               padding_free=padding_free, optim=OptimConfig(lr=1e-3)))
         assert (trainer.fast is not None) == padding_free
         losses = []
-        trainer.train(type("T", (), {"log": lambda self, m, step: losses.append(m["sft/loss"])})())
+        trainer.train(type("T", (), {"log": lambda self, m, step, losses=losses: losses.append(m["sft/loss"])})())
         results.append((losses, torch.cat([p.detach().flatten() for p in model.parameters()])))
     (loss_a, w_a), (loss_b, w_b) = results
     assert len(loss_a) == 3

@@ -16,7 +16,8 @@ def test_column_work_without_slips_is_exact(ops):
     train, held = src.split()
     for task in train[:500] + held:
         m = task.meta
-        assert work_columns(m["a"], m["b"], m["op"], [False] * 3)[1] == solve(m["a"], m["b"], m["op"]) == int(task.answer)
+        assert (work_columns(m["a"], m["b"], m["op"], [False] * 3)[1] == solve(m["a"], m["b"], m["op"])
+                == int(task.answer))
 
 
 def test_demonstration_format_and_slip():
@@ -94,13 +95,15 @@ def test_dataset_parquet_loads(tmp_path):
 
 
 def test_malformed_json_row_names_file_and_row(tmp_path):
-    path = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "answer": "1"}, '{"prompt": "b", "answer": ', {"prompt": "c", "answer": "3"}])
+    path = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "answer": "1"}, '{"prompt": "b", "answer": ',
+                                                 {"prompt": "c", "answer": "3"}])
     with pytest.raises(DatasetError, match=r"bad.jsonl, row 2: invalid JSON"):
         DatasetTasks(DatasetConfig(path=str(path))).split()
 
 
 def test_missing_column_names_file_and_row(tmp_path):
-    path = _write_jsonl(tmp_path / "gap.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}, {"prompt": "c"}])
+    path = _write_jsonl(tmp_path / "gap.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"},
+                                                 {"prompt": "c"}])
     with pytest.raises(DatasetError, match=r"gap.jsonl, row 3: missing or empty column 'answer'"):
         DatasetTasks(DatasetConfig(path=str(path))).split()
 

@@ -70,7 +70,8 @@ class _Scripted:
 def test_round_trip_calls_and_final_answers(name):
     fmt = make_format(name)
     one, two = fmt.parse(fmt.format_calls([ADD_1_2])), fmt.parse(fmt.format_calls([ADD_1_2, ADD_3_4]))
-    strip = (lambda c: ToolCall(c.name, c.arguments, c.id)) if name == "mistral" else (lambda c: ToolCall(c.name, c.arguments))
+    strip = ((lambda c: ToolCall(c.name, c.arguments, c.id)) if name == "mistral"
+             else (lambda c: ToolCall(c.name, c.arguments)))
     assert one.calls == [strip(ADD_1_2)] and not one.errors
     assert two.calls == [strip(ADD_1_2), strip(ADD_3_4)] and not two.errors
     answer = fmt.parse("<answer>3</answer>")
@@ -242,7 +243,8 @@ def test_demonstrations_replay_in_the_family_format(family):
     traj = rollout.replay(task, turns)
     assert traj.info["success"] is True and traj.num_errors == 0 and traj.num_tool_calls == len(turns) - 1
     generated = tokenizer.decode([t for t, m in zip(traj.completion_ids, traj.loss_mask) if m == 1])
-    marker = {"hermes": "<tool_call>\n{\"name\": \"calculate\"", "llama3_json": "{\"name\": \"calculate\", \"parameters\"",
+    marker = {"hermes": "<tool_call>\n{\"name\": \"calculate\"",
+              "llama3_json": "{\"name\": \"calculate\", \"parameters\"",
               "mistral": "[TOOL_CALLS] [{\"name\": \"calculate\"", "json": "{\"name\": \"calculate\", \"arguments\""}
     assert marker[name] in generated or (name == "hermes" and "<tool_call>{\"name\":\"calculate\"" in generated)
 
@@ -298,9 +300,10 @@ def test_cli_demo_in_another_tool_format(tmp_path):
     out = tmp_path / "calc"
     args = ["demo", "--env", "calculator", "-o", str(out), "--set", "agent.tool_format=llama3_json",
             "--set", "task.calculator.train_size=24", "--set", "task.calculator.heldout_size=4",
-            "--set", "model.tiny.hidden_size=32", "--set", "model.tiny.num_layers=1", "--set", "model.tiny.intermediate_size=64",
-            "--set", "sft.steps=2", "--set", "sft.batch_size=4", "--set", "rl.steps=1", "--set", "rl.prompts_per_step=2",
-            "--set", "rl.group_size=2", "--set", "rl.max_new_tokens=8",
+            "--set", "model.tiny.hidden_size=32", "--set", "model.tiny.num_layers=1",
+            "--set", "model.tiny.intermediate_size=64",
+            "--set", "sft.steps=2", "--set", "sft.batch_size=4", "--set", "rl.steps=1",
+            "--set", "rl.prompts_per_step=2", "--set", "rl.group_size=2", "--set", "rl.max_new_tokens=8",
             "--set", "eval.size=4", "--set", "eval.max_new_tokens=8", "--set", "tracking.tensorboard=false"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output

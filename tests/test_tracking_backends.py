@@ -28,7 +28,8 @@ def _missing(module: str, monkeypatch) -> None:
 @pytest.mark.parametrize("backend", ["wandb", "mlflow"])
 def test_a_missing_extra_fails_before_any_work_with_the_pip_command(backend, monkeypatch, tmp_path):
     _missing(backend, monkeypatch)
-    with pytest.raises(ConfigError, match=rf'tracking.backends: {backend} is not installed; pip install "tamer\[{backend}\]"'):
+    with pytest.raises(ConfigError,
+                       match=rf'tracking.backends: {backend} is not installed; pip install "tamer\[{backend}\]"'):
         load_config(RunConfig, overrides=[f"tracking.backends=[tensorboard, {backend}]"])
     result = CliRunner().invoke(app, ["train", "--set", f"tracking.backends=[{backend}]", "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and f'pip install "tamer[{backend}]"' in result.output
@@ -36,7 +37,8 @@ def test_a_missing_extra_fails_before_any_work_with_the_pip_command(backend, mon
 
 
 def test_unknown_backend_and_default():
-    with pytest.raises(ConfigError, match="tracking.backends: unknown backend 'neptune'; valid: tensorboard, wandb, mlflow"):
+    with pytest.raises(ConfigError,
+                       match="tracking.backends: unknown backend 'neptune'; valid: tensorboard, wandb, mlflow"):
         load_config(RunConfig, overrides=["tracking.backends=[neptune]"])
     assert load_config(RunConfig).tracking.backends == ("tensorboard",)
 
@@ -47,7 +49,8 @@ def test_mlflow_key_keeps_what_mlflow_accepts():
 
 def _tiny_run(tmp_path: Path, backend: str) -> tuple[Path, dict]:
     out = tmp_path / "run"
-    config = load_config(RunConfig, overrides=[*TINY_RL, f"output_dir={out}", f"tracking.backends=[tensorboard, {backend}]"])
+    config = load_config(RunConfig, overrides=[*TINY_RL, f"output_dir={out}",
+                                               f"tracking.backends=[tensorboard, {backend}]"])
     result = run_rl(config)
     return out, result
 
@@ -67,7 +70,8 @@ def test_mlflow_file_store_gets_config_scalars_rollouts_and_summary(tmp_path, mo
     local = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [(m.step, m.value) for m in history] == [(r["step"], r["reward/mean"]) for r in local if "reward/mean" in r]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/accuracy")] == [0, 1, 2]
-    assert run.data.metrics["summary/rl_steps"] == 2 and run.data.metrics["summary/eval/accuracy"] == result["rl_accuracy"]
+    assert (run.data.metrics["summary/rl_steps"] == 2
+            and run.data.metrics["summary/eval/accuracy"] == result["rl_accuracy"])
     artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
     assert json.loads((artifacts / "summary.json").read_text())["rl_steps"] == 2
     assert json.loads((artifacts / "config.json").read_text())["rl"]["steps"] == 2
@@ -116,14 +120,16 @@ def test_wandb_offline_gets_config_scalars_rollout_tables_and_summary(tmp_path, 
         if r.WhichOneof("record_type") == "history":
             items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
             history.setdefault(r.history.step.num, {}).update(items)
-    local = {json.loads(line)["step"]: json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()}
+    local = {json.loads(line)["step"]: json.loads(line)
+             for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()}
     assert sorted(history) == [0, 1, 2]
     assert history[1]["reward/mean"] == pytest.approx(local[1]["reward/mean"])
     assert history[2]["eval/accuracy"] == local[2]["eval/accuracy"]
     # a table is a nested value: its fields arrive as nested keys
     assert history[1]["rollouts/train/_type"] == "table-file" and history[2]["rollouts/eval/_type"] == "table-file"
     assert history[1]["rollouts/train/nrows"] == 2 * 4
-    table = json.loads(next((run_file.parent / "files" / "media" / "table" / "rollouts").glob("train_1_*.table.json")).read_text())
+    tables = run_file.parent / "files" / "media" / "table" / "rollouts"
+    table = json.loads(next(tables.glob("train_1_*.table.json")).read_text())
     assert "completion" in table["columns"] and len(table["data"]) == 2 * 4
     summary = {}
     for r in records:

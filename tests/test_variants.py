@@ -32,7 +32,8 @@ def _trainer(model, tokenizer, tmp_path, **algorithm) -> RLTrainer:
 
 
 def _trajectory(tokenizer, group: int, completion: str) -> Trajectory:
-    prompt = tokenizer("<|im_start|>user\n1+2<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    prompt = tokenizer("<|im_start|>user\n1+2<|im_end|>\n<|im_start|>assistant\n",
+                       add_special_tokens=False)["input_ids"]
     ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
     return Trajectory(task=TASKS[0][group], group_id=group, prompt_ids=prompt, completion_ids=ids,
                       loss_mask=[1] * len(ids), logprobs=[0.0] * len(ids), text=completion)

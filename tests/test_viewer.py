@@ -23,7 +23,8 @@ TINY_DEMO = ["--set", "model.tiny.hidden_size=32", "--set", "model.tiny.num_laye
              "--set", "rl.prompts_per_step=3", "--set", "rl.group_size=4", "--set", "eval.size=6",
              "--set", "rl.eval_every=1", "--set", "tracking.tensorboard=false",
              # length gives every group spread, so advantages are not all zero
-             "--set", "reward.weights={correctness: 1.0, length: 1.0}", "--set", "reward.params={length: {max_tokens: 32}}"]
+             "--set", "reward.weights={correctness: 1.0, length: 1.0}",
+             "--set", "reward.params={length: {max_tokens: 32}}"]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,8 @@ def test_view_cli_writes_a_self_contained_page_with_the_runs_data(demo_run):
             assert 0.0 <= r["logprob_gap"] < 1e-3  # sampler and learner are one fp32 module
     for step in (1, 2):  # GRPO: advantages within a group sum to zero
         for group in {r["group"] for r in train if r["step"] == step}:
-            assert sum(r["advantage"] for r in train if r["step"] == step and r["group"] == group) == pytest.approx(0, abs=1e-5)
+            assert (sum(r["advantage"] for r in train if r["step"] == step and r["group"] == group)
+                    == pytest.approx(0, abs=1e-5))
 
     summary = json.loads((demo_run / "summary.json").read_text())
     assert data["baselines"]["eval/accuracy"] == {"demonstrator": summary["demonstrator_accuracy"],

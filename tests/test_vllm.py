@@ -331,7 +331,8 @@ def test_grpo_on_arithmetic_through_vllm_raises_heldout_accuracy(tmp_path):
     log = _Log()
     with VLLMEngine(model, tok, VLLMConfig(), work_dir=tmp_path / "vllm") as engine:
         trainer = RLTrainer(model, tok, train, heldout, RewardComposer(RewardConfig()), config,
-                            EvalConfig(size=200, max_new_tokens=32), run_dir=tmp_path / "rl", tracker=log, engine=engine)
+                            EvalConfig(size=200, max_new_tokens=32), run_dir=tmp_path / "rl", tracker=log,
+                            engine=engine)
         collect = trainer.collect
 
         def checked_collect(step):  # every trajectory was sampled by the weights of this step

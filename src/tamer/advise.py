@@ -195,7 +195,8 @@ class Advice:
 
 def _measurement_lines(m: Measurements) -> list[str]:
     lines = [f"  data            {m.train_tasks} train tasks, {m.heldout_tasks} held-out",
-             f"  success         pass@1 {m.pass_at_1:.3f}, pass@{m.k} {m.pass_at_k:.3f}, greedy {m.greedy_accuracy:.3f} "
+             f"  success         pass@1 {m.pass_at_1:.3f}, pass@{m.k} {m.pass_at_k:.3f}, "
+             f"greedy {m.greedy_accuracy:.3f} "
              f"({m.eval_tasks} held-out tasks x {m.samples_per_task} samples)",
              f"  reward spread   {m.zero_spread_fraction:.0%} of {m.spread_prompts} groups of {m.group_size} have zero "
              f"spread; mean reward {m.reward_mean:.3f}"]
@@ -234,7 +235,8 @@ def decide(m: Measurements, memory_gb: float | None = None) -> Advice:
                 "reward spread": "fix_reward"}
     first = next((r for r in rules if r.fired and r.name in verdicts), None) or method_rule
     for rule in rules:
-        rule.status = "verdict" if rule is first else "later" if rule is method_rule else "fires" if rule.fired else "ok"
+        rule.status = ("verdict" if rule is first else "later" if rule is method_rule
+                       else "fires" if rule.fired else "ok")
     verdict = verdicts[first.name] if first is not method_rule else method
     return Advice(verdict, first.action, rules, m, memory_gb)
 
@@ -246,10 +248,11 @@ def _reward_rule(m: Measurements) -> Rule:
     parts += [f"{r.name} returned {r.sample_values[0]:g} for every sample and probe" for r in constant]
     parts += [a.problem() for a in m.learned_rewards if a.too_low]
     fired = bool(parts)
-    detail = "; ".join(parts) if fired else (f"no errors in {m.rewards[0].calls if m.rewards else 0} calls per function; "
-                                             "every function tells the probes apart")
-    action = ("fix the reward: " + "; ".join(parts) + (f" (first error: {broken[0].first_error.strip().splitlines()[-1]})"
-                                                       if broken and broken[0].first_error else "")
+    detail = "; ".join(parts) if fired else (f"no errors in {m.rewards[0].calls if m.rewards else 0} calls per "
+                                             "function; every function tells the probes apart")
+    action = ("fix the reward: " + "; ".join(parts)
+              + (f" (first error: {broken[0].first_error.strip().splitlines()[-1]})"
+                 if broken and broken[0].first_error else "")
               + ". RL can only learn what the reward distinguishes.")
     return Rule("fix the reward", fired, action, detail)
 
@@ -292,8 +295,9 @@ def _data_rule(m: Measurements) -> Rule:
 def _method_rule(m: Measurements, memory_gb: float | None) -> tuple[Rule, str]:
     budget_mb = memory_gb * 1024 if memory_gb else None
     grpo, ppo = m.steps.get("grpo"), m.steps.get("ppo")
-    costs = "; ".join(f"{s.method.upper()} {s.models_held} model(s), peak {s.peak_rss_mb:.0f} MB, "
-                      f"{s.seconds_per_step:.2f} s/step" for s in m.steps.values()) or f"step cost not measured ({m.steps_skipped})"
+    costs = ("; ".join(f"{s.method.upper()} {s.models_held} model(s), peak {s.peak_rss_mb:.0f} MB, "
+                       f"{s.seconds_per_step:.2f} s/step" for s in m.steps.values())
+             or f"step cost not measured ({m.steps_skipped})")
     budget = f"budget {memory_gb:g} GB" if memory_gb else "no --memory-gb given"
     detail = f"{costs}; {budget}; zero-spread {m.zero_spread_fraction:.0%}"
     if budget_mb and grpo and grpo.peak_rss_mb > budget_mb:
@@ -301,9 +305,9 @@ def _method_rule(m: Measurements, memory_gb: float | None) -> tuple[Rule, str]:
                   "use a smaller model, bfloat16, or a smaller rl.micro_batch_tokens")
         return Rule("GRPO or PPO", True, action, detail), "over_budget"
     if budget_mb and ppo and ppo.peak_rss_mb <= budget_mb and m.zero_spread_fraction >= PPO_ZERO_SPREAD:
-        action = (f"PPO: it fits ({ppo.peak_rss_mb / 1024:.2f} GB <= {memory_gb:g} GB) and {m.zero_spread_fraction:.0%} "
-                  "of groups have zero spread, where a critic's baseline still gives a signal "
-                  "(`tamer train --set rl.algorithm.advantage=gae`)")
+        action = (f"PPO: it fits ({ppo.peak_rss_mb / 1024:.2f} GB <= {memory_gb:g} GB) "
+                  f"and {m.zero_spread_fraction:.0%} of groups have zero spread, where a critic's baseline still "
+                  "gives a signal (`tamer train --set rl.algorithm.advantage=gae`)")
         return Rule("GRPO or PPO", True, action, detail), "ppo"
     why = ("it holds one model where PPO holds two" if not ppo else
            f"it holds {grpo.models_held if grpo else 1} model(s) where PPO holds {ppo.models_held}"
@@ -330,7 +334,8 @@ def measure(config: RunConfig, advise: AdviseConfig) -> Measurements:
     del model  # the step measurements run in their own processes
     steps = measure_steps(config, advise.measure_steps) if advise.measure_steps else {}
     return Measurements(
-        task=config.task.name, model=config.model.path or "model.tiny (random init)", parameters=success.pop("parameters"),
+        task=config.task.name, model=config.model.path or "model.tiny (random init)",
+        parameters=success.pop("parameters"),
         train_tasks=len(train), heldout_tasks=len(heldout), **success, spread_prompts=advise.spread_prompts,
         group_size=advise.group_size or config.rl.group_size, zero_spread_fraction=spread, reward_mean=mean_reward,
         rewards=health, steps=steps, steps_skipped="" if advise.measure_steps else "--no-step-measure",

@@ -371,6 +371,7 @@ def _restore_rng(rng: dict) -> None:
         count = torch.cuda.device_count()
         if count != len(cuda_states):
             warnings.warn(f"checkpoint has CUDA RNG states for {len(cuda_states)} devices, "
-                          f"this process sees {count}; restoring the first {min(count, len(cuda_states))}")
+                          f"this process sees {count}; restoring the first {min(count, len(cuda_states))}",
+                          stacklevel=2)
         for device, cuda_state in enumerate(cuda_states[:count]):
             torch.cuda.set_rng_state(cuda_state, device)

@@ -151,7 +151,8 @@ def demo(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = Se
         _table(f"{summary['task']}: {summary['heldout_size']} held-out tasks",
                ["agent", "success rate", "tool calls", "cost / optimal", "error rate"], rows)
     else:
-        _table(f"{summary['task']}: held-out accuracy ({summary['heldout_size']} tasks)", ["model", "held-out accuracy"],
+        _table(f"{summary['task']}: held-out accuracy ({summary['heldout_size']} tasks)",
+               ["model", "held-out accuracy"],
                [["demonstrator", _fmt(summary["demonstrator_accuracy"])], ["SFT", _fmt(summary["sft_accuracy"])],
                 [f"GRPO ({summary['rl_steps']} steps)", _fmt(summary["rl_accuracy"])]])
     console.print(f"total {summary['seconds']:.0f} s; summary: {Path(cfg.output_dir) / 'summary.json'}; "
@@ -233,7 +234,8 @@ def rm(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetO
     extra += [f"rm.seed={seed}"] * (seed is not None)
     cfg = _guard(lambda: load_run_config(config, [*(set_ or []), *extra], imports, output_dir=output_dir))
     result = _guard(lambda: run_rm(cfg))
-    console.print(calibration_table(result["calibration_report"], f"reward model: {result['heldout_pairs']} held-out pairs"))
+    console.print(calibration_table(result["calibration_report"],
+                                    f"reward model: {result['heldout_pairs']} held-out pairs"))
     console.print(f"held-out pairwise accuracy {result['rm_accuracy']:.3f}, ECE {result['rm_ece']:.3f}; "
                   f"{result['rm_seconds']:.0f} s; model saved to {result['model_path']}")
 
@@ -316,7 +318,8 @@ def advise(
 
 @app.command()
 def view(
-    run_dir: Path = typer.Argument(..., help="A run's output directory (e.g. runs/demo) or one phase of it (runs/demo/rl)."),
+    run_dir: Path = typer.Argument(..., help="A run's output directory (e.g. runs/demo) or one phase of it "
+                                   "(runs/demo/rl)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the page "
                                           "(default RUN_DIR/view.html)."),
     serve: bool = typer.Option(False, "--serve", help="Also serve the page on http://127.0.0.1:PORT/ until Ctrl-C."),
@@ -453,7 +456,8 @@ def sandbox_check() -> None:
     except SandboxError as exc:
         typer.echo(f"error: sandbox failed: {exc}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(json.dumps({"ok": result.ok, "protections": list(result.protections), "warnings": list(result.warnings)}))
+    typer.echo(json.dumps({"ok": result.ok, "protections": list(result.protections),
+                           "warnings": list(result.warnings)}))
 
 
 def _sandbox_usage(message: str) -> NoReturn:

@@ -128,7 +128,8 @@ def compare_figure(rows: dict[str, dict], title: str):
     acc_ax.set(ylabel="held-out accuracy", xlabel="RL step", title="held-out accuracy")
     names = list(rows)
     labels = [LABELS.get(m, m) for m in names]
-    bars = mem_ax.bar(labels, [rows[m]["peak_rss_mb"] for m in names], color=[colors.get(m, "tab:green") for m in names])
+    bars = mem_ax.bar(labels, [rows[m]["peak_rss_mb"] for m in names],
+                      color=[colors.get(m, "tab:green") for m in names])
     mem_ax.bar_label(bars, fmt="%.0f")
     mem_ax.axhline(rows["sft"]["baseline_rss_mb"], color="black", linestyle=":", label="Python + torch baseline")
     mem_ax.set(ylabel="peak RSS (MB, measured)", title="peak memory, each method in its own process")

@@ -103,7 +103,8 @@ class HealthMonitor:
             on = (len(self.recent["reward/correctness"]) >= cfg.patience and start >= cfg.collapse_min_start
                   and now < cfg.collapse_fraction * start)
             out["correctness_collapse"] = (on, f"training success collapsed: reward/correctness {now:.3f} over "
-                                               f"the last {cfg.patience} steps, {start:.3f} over the first (step {step})")
+                                               f"the last {cfg.patience} steps, {start:.3f} over the first "
+                                               f"(step {step})")
         return out
 
     def _zero_spread(self, m: Mapping[str, float], step: int) -> dict[str, tuple[bool, str]]:

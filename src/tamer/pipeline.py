@@ -96,7 +96,8 @@ def seed_overrides(seed: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- pieces
-def build_policy(config: ModelConfig, task: TaskConfig | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def build_policy(config: ModelConfig,
+                 task: TaskConfig | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The local model at `config.path`, or a tiny one (its BPE tokenizer trained on `task`'s text)."""
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -190,12 +191,14 @@ def run_sft(config: RunConfig, model=None, tokenizer=None, source: TaskSource | 
         tracker.log(report.metrics(), config.sft.steps)
         RolloutRecorder(config.tracking.rollouts, tokenizer, RewardComposer(config.reward), tracker, "sft").on_eval(
             config.sft.steps, report.trajectories)  # the SFT model's held-out episodes, for `tamer view`
-        tracker.log_summary({"sft_loss": loss, "sft_seconds": time.perf_counter() - start, **report.metrics("sft_eval")})
+        tracker.log_summary({"sft_loss": loss, "sft_seconds": time.perf_counter() - start,
+                             **report.metrics("sft_eval")})
     save_model(model, tokenizer, out / "model")
     result = {"sft_loss": loss, "sft_accuracy": report.accuracy, "sft_seconds": time.perf_counter() - start,
               "sft_steps": trainer.step, "model_path": str(out / "model"), **report.metrics("sft_eval")}
     if heldout[0].env is None:  # what the demonstrations score on the same held-out tasks (plots' baseline)
-        result["demonstrator_accuracy"] = demonstrator_accuracy(source, heldout[: config.eval.size or None], config.sft.seed)
+        result["demonstrator_accuracy"] = demonstrator_accuracy(source, heldout[: config.eval.size or None],
+                                                                config.sft.seed)
     write_json(out / "summary.json", result)
     return result
 

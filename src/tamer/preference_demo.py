@@ -12,8 +12,9 @@ reply (sampled, k1). The summary table and curves show where the reward keeps ri
 the rule stops improving or falls: reward hacking, and what a KL penalty does to it.
 
 Settings: configs/demo-preference.yaml (a run config; the demo's own settings are its
-`preference` section, `tamer.preference_config`); a user's `--config` and `--set` are laid over it. Outputs under OUTPUT_DIR: sft/, rm/,
-preferences*.jsonl, one directory per RL variant, summary.json and rlhf.png.
+`preference` section, `tamer.preference_config`); a user's `--config` and `--set` are laid
+over it. Outputs under OUTPUT_DIR: sft/, rm/, preferences*.jsonl, one directory per RL
+variant, summary.json and rlhf.png.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def write_pairs(path: Path, pairs) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as fh:
         for p in pairs:
-            fh.write(json.dumps({"prompt": p.messages[-1]["content"], "chosen": p.chosen, "rejected": p.rejected}) + "\n")
+            fh.write(json.dumps({"prompt": p.messages[-1]["content"], "chosen": p.chosen,
+                                 "rejected": p.rejected}) + "\n")
     return path
 
 
@@ -158,7 +160,8 @@ def run_preference_demo(config: RunConfig) -> dict[str, Any]:
     # The labeller's pairs go through the same files and loader a user's would.
     data = dataclasses.replace(config.rm.data, path=str(write_pairs(out / "preferences.jsonl", source.preference_pairs(
         train, demo.train_pairs, seed=config.rm.seed))), heldout_path=str(write_pairs(
-        out / "preferences-heldout.jsonl", source.preference_pairs(heldout, demo.heldout_pairs, seed=config.rm.seed + 1))))
+        out / "preferences-heldout.jsonl",
+        source.preference_pairs(heldout, demo.heldout_pairs, seed=config.rm.seed + 1))))
     rm = run_rm(dataclasses.replace(config, rm=dataclasses.replace(config.rm, data=data)), model, tokenizer)
     probe = rm_probe(RewardModelScorer.load(rm["model_path"]), heldout[0], config.task.units.units)
     runs = {name: run_variant(variant_config(config, demo, name, rm["model_path"]), sft["model_path"], demo.kl_samples)
@@ -185,7 +188,8 @@ def plot_rlhf(runs: dict[str, dict], out_png: Path) -> Path:
     panels = (("rm_score", "reward-model score"), ("rule_rate", "hidden rule satisfied"), ("kl_to_sft", "KL to SFT"))
     for ax, (key, label) in zip(axes, panels):
         for name, run in runs.items():
-            ax.plot([p["step"] for p in run["curve"]], [p[key] for p in run["curve"]], marker="o", markersize=3, label=name)
+            ax.plot([p["step"] for p in run["curve"]], [p[key] for p in run["curve"]], marker="o", markersize=3,
+                    label=name)
         ax.set_xlabel("RL step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

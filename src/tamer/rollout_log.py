@@ -165,8 +165,8 @@ def split_turns(traj: Trajectory, texts: list[str]) -> list[dict[str, Any]]:
     return turns
 
 
-def trajectory_record(traj: Trajectory, token_texts: TokenTexts, *, kind: str, step: int, sample: int = 0, phase: str = "rl",
-                      advantage: float | None = None, gap: tuple[float, float] | None = None,
+def trajectory_record(traj: Trajectory, token_texts: TokenTexts, *, kind: str, step: int, sample: int = 0,
+                      phase: str = "rl", advantage: float | None = None, gap: tuple[float, float] | None = None,
                       rewards: dict[str, float] | None = None, reward: float | None = None,
                       weights: dict[str, float] | None = None) -> dict[str, Any]:
     """One trajectory as a record (the fields in the module docstring); JSON-ready after `strict_json`."""
@@ -249,8 +249,8 @@ class RolloutRecorder:
         for row, advantage, gap in zip(rows, advantages, gaps):
             traj = trajectories[row]
             sample = seen[traj.group_id] = seen.get(traj.group_id, -1) + 1
-            records.append(trajectory_record(traj, self.token_texts, kind="train", step=step, sample=sample, phase=self.phase,
-                                             advantage=advantage, gap=gap, weights=self.weights))
+            records.append(trajectory_record(traj, self.token_texts, kind="train", step=step, sample=sample,
+                                             phase=self.phase, advantage=advantage, gap=gap, weights=self.weights))
         self.sink.log_rollouts(records, step)
 
     def on_eval(self, step: int, trajectories: list[Trajectory]) -> None:

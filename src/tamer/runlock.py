@@ -50,7 +50,8 @@ class LockError(RunError):
 def holder_info() -> dict[str, Any]:
     """What the lock file says about its holder: this process."""
     command = " ".join([os.path.basename(sys.argv[0]) if sys.argv else "python", *sys.argv[1:]])
-    return {"pid": os.getpid(), "host": socket.gethostname(), "command": command[:100] + ("..." if len(command) > 100 else ""),
+    return {"pid": os.getpid(), "host": socket.gethostname(),
+            "command": command[:100] + ("..." if len(command) > 100 else ""),
             "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 

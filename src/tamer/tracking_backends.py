@@ -147,7 +147,8 @@ class MlflowSink:
         experiment = self.client.get_experiment_by_name(settings.experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(settings.experiment)
         name, group = run_names(output_dir, phase)
-        self.run_id = self.client.create_run(experiment_id, run_name=name, tags={"phase": phase, "group": group}).info.run_id
+        self.run_id = self.client.create_run(experiment_id, run_name=name,
+                                             tags={"phase": phase, "group": group}).info.run_id
         params = [Param(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v))
                   for k, v in flatten(strict_json(config)).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
@@ -165,7 +166,8 @@ class MlflowSink:
             return
         columns, rows = rollout_rows(records[: self.settings.table_rows])
         table = {c: [row[i] for row in rows] for i, c in enumerate(columns)}
-        self.client.log_table(self.run_id, data=table, artifact_file=f"rollouts/{records[0]['kind']}-step{step:06d}.json")
+        self.client.log_table(self.run_id, data=table,
+                              artifact_file=f"rollouts/{records[0]['kind']}-step{step:06d}.json")
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         clean = strict_json(summary)

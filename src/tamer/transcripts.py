@@ -60,8 +60,8 @@ def episode_panel(index: int, record: dict[str, Any]) -> Panel:
     if facts:
         end += "  " + "  ".join(f"{k}: {v}" for k, v in facts.items())
     body.append(Text(end, style="dim"))
-    body.append(Text(f"reward {record['reward']:.3g} = {_breakdown(record)}; reference answer: {record['task']['answer']}",
-                     style="bold"))
+    body.append(Text(f"reward {record['reward']:.3g} = {_breakdown(record)}; "
+                     f"reference answer: {record['task']['answer']}", style="bold"))
     title = f"episode {index} · {escape(str(record['task']['id']))} · reward {record['reward']:.3g}"
     return Panel(Group(*body), title=title, title_align="left")
 

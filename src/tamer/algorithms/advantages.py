@@ -210,7 +210,8 @@ def turn_grpo(
     inverse, num_groups = _group_index(group_ids)
     size = _group_sum(torch.ones_like(rewards), inverse, num_groups)  # (B,) N_g
     mean = _group_sum(rewards, inverse, num_groups) / size  # (B,) μ_g
-    earned_sums = torch.zeros(num_groups, width, dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, earned)
+    earned_sums = torch.zeros(num_groups, width, dtype=rewards.dtype,
+                              device=rewards.device).index_add_(0, inverse, earned)
     deviation = (rewards - mean)[:, None] - (earned - earned_sums[inverse] / size[:, None])  # (B, K) D_ik
     valid = torch.arange(width, device=rewards.device)[None, :] < num_turns[:, None]  # (B, K)
     squares = torch.where(valid, deviation.square(), torch.zeros_like(deviation))

@@ -78,7 +78,8 @@ def preference_agreement(reward, pairs: list[PreferencePair], name: str = "rewar
 
 
 def learned_reward_checks(config, eos_token: str = "") -> list[PreferenceAgreement]:
-    """`preference_agreement` for every batch reward in `config.reward.weights`, on `config.rm.data`'s held-out pairs."""
+    """`preference_agreement` for every batch reward in `config.reward.weights`, on `config.rm.data`'s
+    held-out pairs."""
     from tamer.learned_rewards.reward_model import RewardModelReward
     from tamer.rewards import REWARDS, BatchReward, RewardComposer, RewardConfig
 

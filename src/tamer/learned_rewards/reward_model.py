@@ -80,14 +80,16 @@ def preference_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[
     return prompt + reply + (eos if add_eos and eos and not reply.endswith(eos) else "")
 
 
-def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], max_length: int) -> tuple[list[list[int]], int]:
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str],
+                 max_length: int) -> tuple[list[list[int]], int]:
     """Token ids per text, cut to their last `max_length` tokens (the reply is at the end); and how many were cut."""
     ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     cut = sum(len(row) > max_length for row in ids)
     return [row[-max_length:] for row in ids], cut
 
 
-def pad_right(rows: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def pad_right(rows: list[list[int]], pad_id: int,
+              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask), both (B, T) long, right-padded."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)

@@ -86,14 +86,15 @@ def read_arch(model: nn.Module) -> Arch:
                                        for h in embed._forward_hooks.values()) or head._forward_hooks:
         raise Unsupported("hooks")
     acts = set()
-    for i, layer in enumerate(inner.layers):
+    for layer in inner.layers:
         _check_layer(layer, config, kind)
         acts.add(_activation(layer.mlp.act_fn))
     _check_norm(inner.norm, config.hidden_size, kind)
     if len(acts) != 1 or None in acts:
         raise Unsupported(f"activation {getattr(config, 'hidden_activation', None) or config.hidden_act!r}")
     return Arch(act=acts.pop(), norm_offset=kind in GEMMA, qk_norm=kind == "qwen3", sandwich=kind == "gemma2",
-                embed_scale=scaled, attn_softcap=getattr(config, "attn_logit_softcapping", None) if kind == "gemma2" else None,
+                embed_scale=scaled,
+                attn_softcap=getattr(config, "attn_logit_softcapping", None) if kind == "gemma2" else None,
                 final_softcap=getattr(config, "final_logit_softcapping", None) if kind == "gemma2" else None,
                 windows=tuple(_window(config, kind, i, layer.self_attn) for i, layer in enumerate(inner.layers)),
                 rope_scale=rope_scale)

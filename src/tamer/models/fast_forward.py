@@ -50,7 +50,8 @@ from tamer.models.fast_arch import (  # noqa: F401 - unsupported_reason is re-ex
 
 
 def _cpu_bf16_autocast(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    return (x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16)
 
 
 class _CpuBf16Linear(torch.autograd.Function):
@@ -103,7 +104,8 @@ def _cat(parts: list[torch.Tensor], out: torch.Tensor | None) -> torch.Tensor:
     """torch.cat of `parts` (detached), into `out` when it still fits."""
     parts = [p.detach() for p in parts]
     rows = sum(p.shape[0] for p in parts)
-    if out is None or out.shape != (rows, *parts[0].shape[1:]) or out.dtype != parts[0].dtype or out.device != parts[0].device:
+    if (out is None or out.shape != (rows, *parts[0].shape[1:]) or out.dtype != parts[0].dtype
+            or out.device != parts[0].device):
         return torch.cat(parts)
     return torch.cat(parts, out=out)
 
@@ -270,7 +272,8 @@ class FastDecoder:
         for layer in self.model.model.layers:
             a, m = layer.self_attn, layer.mlp
             out.append(self._layer(layer, (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
-                                   (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias), (m.gate_proj.weight, m.up_proj.weight)))
+                                   (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias),
+                                   (m.gate_proj.weight, m.up_proj.weight)))
         return out
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *, past: list | None = None,

@@ -106,7 +106,8 @@ class ModelConfig:
 
     path: str = ""  # local HF model directory; empty builds `tiny` (random init)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # the tiny model's shape
-    dtype: str = "float32"  # float32 | bfloat16 | float16: the weights' dtype (docs/models.md: bf16 weights vs rl.precision)
+    dtype: str = field(  # float32 | bfloat16 | float16: the weights' dtype
+        default="float32")  # (docs/models.md: bf16 weights vs rl.precision)
     gradient_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, same gradients
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
     tokenizer: str = "char"  # tiny models: "char" (one token per byte) or "bpe" (trained on the task's text)
@@ -119,7 +120,8 @@ class ModelConfig:
         if self.threads < 0:
             raise FieldError("threads", f"expected >= 0 (0: torch's default), got {self.threads}")
         if self.bpe_vocab_size < 300:
-            raise FieldError("bpe_vocab_size", f"expected >= 300 (the byte alphabet and specials), got {self.bpe_vocab_size}")
+            raise FieldError("bpe_vocab_size",
+                             f"expected >= 300 (the byte alphabet and specials), got {self.bpe_vocab_size}")
 
 
 def build_char_tokenizer(extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
@@ -151,7 +153,8 @@ def build_char_tokenizer(extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokeni
 # so that "Trip PRG>ATH" and a tool call's "PRG" tokenize alike, measured worse: the 1M trip
 # model trained with it never learned to copy the city names at all.)
 QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 

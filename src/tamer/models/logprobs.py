@@ -81,7 +81,8 @@ def shared_prefix_logprobs(
             any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         # HF's checkpointed layers drop the KV cache (use_cache=False), so the prompt cannot be shared.
         completion = torch.arange(input_ids.shape[1], device=device)[None, :] >= prompt_lengths.to(device)[:, None]
-        return token_logprobs(model, input_ids, attention_mask, temperature, fast=False) * (completion & attention_mask.bool())
+        return (token_logprobs(model, input_ids, attention_mask, temperature, fast=False)
+                * (completion & attention_mask.bool()))
     if fast is not None:
         out_logits, kvs = fast.forward(prompt_ids, prompt_mask, prompt_pos, return_kv=True, last_only=True)
         past = [(k[inverse], v[inverse]) for k, v in kvs]  # the prompt's KV, one copy per row

@@ -143,7 +143,8 @@ class _Episode:
 class AgentRollout:
     """Runs environment tasks as multi-turn episodes through a generation engine."""
 
-    def __init__(self, engine: GenerationEngine, tokenizer: PreTrainedTokenizerBase, config: AgentConfig = AgentConfig(),
+    def __init__(self, engine: GenerationEngine, tokenizer: PreTrainedTokenizerBase,
+                 config: AgentConfig = AgentConfig(),
                  env_factory: Callable[[Task], Environment] = default_env_factory, seeding: str = "batch") -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, config
         self.env_factory = env_factory
@@ -192,7 +193,8 @@ class AgentRollout:
         return _Episode(task, env, group_id, encode_chat(self.tokenizer, messages, tools=tools or None), sample)
 
     def _play_turn(self, live: list[_Episode], params: SamplingParams, turn: int) -> None:
-        budget = max(1, min(params.max_new_tokens, min(self.config.max_total_tokens - len(e.completion_ids) for e in live)))
+        budget = max(1, min(params.max_new_tokens,
+                            min(self.config.max_total_tokens - len(e.completion_ids) for e in live)))
         turn_params = dataclasses.replace(params, n=1, max_new_tokens=budget, seed=params.seed + 7919 * turn,
                                           reuse_prefix=True)  # the next turn extends this one
         if self.seeding == "trajectory":

@@ -167,7 +167,8 @@ class HFEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[GenerationOutput]]:
         generator = torch.Generator().manual_seed(params.seed)
         if params.row_seeds and len(params.row_seeds) != len(prompts) * params.n:
-            raise ValueError(f"row_seeds: expected {len(prompts) * params.n} (prompts x n), got {len(params.row_seeds)}")
+            raise ValueError(f"row_seeds: expected {len(prompts) * params.n} (prompts x n), "
+                             f"got {len(params.row_seeds)}")
         per_chunk = max(1, self.max_batch // params.n)
         outputs: list[list[GenerationOutput]] = []
         entries: list[PrefixEntry] | None = [] if params.reuse_prefix else None
@@ -176,7 +177,8 @@ class HFEngine:
                 self.fast.refresh()  # the current weights, fused (see FastDecoder.refresh)
             for start in range(0, len(prompts), per_chunk):
                 seeds = params.row_seeds[start * params.n:(start + per_chunk) * params.n]
-                outputs.extend(self._generate_chunk(prompts[start:start + per_chunk], params, generator, entries, seeds))
+                outputs.extend(self._generate_chunk(prompts[start:start + per_chunk], params, generator, entries,
+                                                    seeds))
         self.prefix_store.replace(entries or [])
         return outputs
 
@@ -235,7 +237,8 @@ class HFEngine:
         """The same with `FastDecoder`: KV buffers for prompt + completion, the prompt's rows repeated n times."""
         past = [(layer.keys, layer.values) for layer in cache.layers] if cache.layers else None
         logits, kv = self.fast.prefill(ids, mask, positions, past=past, repeat=params.n, extra=params.max_new_tokens)
-        key_mask = torch.ones(logits.shape[0], mask.shape[1] + params.max_new_tokens, dtype=torch.bool, device=mask.device)
+        key_mask = torch.ones(logits.shape[0], mask.shape[1] + params.max_new_tokens, dtype=torch.bool,
+                              device=mask.device)
         key_mask[:, :mask.shape[1]] = row_mask.bool()
 
         def step(tokens, pos, k):
@@ -251,7 +254,8 @@ class HFEngine:
         batch = prompt_mask.shape[0]
         stop = torch.tensor(params.stop_token_ids or [-1], device=logits.device)
         done = torch.zeros(batch, dtype=torch.bool, device=logits.device)
-        tokens_out = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long, device=logits.device)
+        tokens_out = torch.full((batch, params.max_new_tokens), self.pad_token_id, dtype=torch.long,
+                                device=logits.device)
         logprobs_out = torch.zeros(batch, params.max_new_tokens, dtype=torch.float32, device=logits.device)
         steps = params.max_new_tokens
         for step in range(params.max_new_tokens):

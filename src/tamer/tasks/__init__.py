@@ -25,7 +25,8 @@ ENVIRONMENTS.register_lazy("python", "tamer.tasks.code:PythonEnv")
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Which task: `arithmetic`, `calculator`, `code`, `trip_planner`, `scheduler` (built in) or `dataset` (your files)."""
+    """Which task: `arithmetic`, `calculator`, `code`, `trip_planner`, `scheduler` (built in) or `dataset`
+    (your files)."""
 
     name: str = "arithmetic"  # a registered task source (built in, or registered by a plugin)
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)  # used when name = arithmetic
@@ -51,7 +52,8 @@ def get_task_source(config: TaskConfig) -> TaskSource:
 
 __all__ = [
     "ArithmeticConfig", "ArithmeticTasks", "CalculatorConfig", "CalculatorTasks", "CodeConfig",
-    "TripPlannerConfig", "TripPlannerTasks", "SchedulerConfig", "SchedulerTasks", "UnitsConfig", "UnitsTasks", "DatasetConfig", "DatasetError", "DatasetTasks",
+    "TripPlannerConfig", "TripPlannerTasks", "SchedulerConfig", "SchedulerTasks", "UnitsConfig", "UnitsTasks",
+    "DatasetConfig", "DatasetError", "DatasetTasks",
     "TASK_SOURCES", "Task", "TaskConfig", "TaskPool", "TaskSource", "extract_answer",
     "get_task_source", "is_correct",
 ]

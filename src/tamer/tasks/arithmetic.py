@@ -102,7 +102,8 @@ class ArithmeticTasks:
             a, b = b, a
         width = len(str(a))
         carries = [i for i in range(1, width)
-                   if work_columns(a, b, op, [False] * width)[1] != work_columns(a, b, op, [j == i for j in range(width)])[1]]
+                   if work_columns(a, b, op, [False] * width)[1]
+                   != work_columns(a, b, op, [j == i for j in range(width)])[1]]
         return Task(
             id=f"{a}{op}{b}",
             messages=({"role": "user", "content": f"{a}{op}{b}"},),

@@ -30,7 +30,7 @@ import math
 import operator
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tamer.config import FieldError
@@ -203,7 +203,8 @@ class CalculatorConfig:
     heldout_size: int = 400  # problems held out for evaluation
     train_size: int = 5000  # training problems
     demo_redundant_rate: float = 0.5  # chance, after each step, that the demo recomputes one
-    demo_double_check_rate: float = 0.0  # chance of repeating the last calculation before answering (> 0.5: a habit SFT copies)
+    demo_double_check_rate: float = field(  # chance of repeating the last calculation before answering
+        default=0.0)  # (> 0.5: a habit SFT copies)
     demo_mental_rate: float = 0.0  # chance of doing the last step in the head (no call) instead
     demo_mental_slip_rate: float = 0.5  # chance that a step done in the head is off by ten (a wrong answer)
     seed: int = 0  # problem generation

@@ -31,7 +31,8 @@ class PreferenceDataConfig:
     """Where preference pairs come from, and which columns hold what."""
 
     path: str = field(default="", metadata=PATH)  # local .jsonl/.json/.parquet file (relative to the YAML file)
-    heldout_path: str = field(default="", metadata=PATH)  # a separate held-out file; else `heldout_fraction` of the training rows
+    heldout_path: str = field(default="",  # a separate held-out file;
+                              metadata=PATH)  # else `heldout_fraction` of the training rows
     hf_dataset: str = ""  # instead of `path`: a Hugging Face dataset name or local dataset directory
     hf_config: str = ""  # the dataset's configuration (subset), if it has several
     hf_split: str = "train"  # the dataset split to train on

@@ -53,11 +53,13 @@ class Batch:
                 fields[name] = None
                 continue
             value = value[index]
-            fields[name] = value[:, :width] if value.dim() == 2 and name != "turn_rewards" else value  # (B, K): per turn
+            fields[name] = (value[:, :width] if value.dim() == 2 and name != "turn_rewards"  # (B, K): per turn
+                            else value)
         return Batch(**fields)
 
 
-def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: int, process_weight: float = 0.0) -> Batch:
+def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: int,
+            process_weight: float = 0.0) -> Batch:
     """Stack trajectories (prompt + completion) into one right-padded `Batch`.
 
     `process_weight` is the weight of the `process` reward: each turn's environment reward

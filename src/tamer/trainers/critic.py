@@ -85,7 +85,8 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).last_hidden_state
+        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=positions).last_hidden_state
         after = self.head(hidden.float()).squeeze(-1)  # (B, T): value after reading token t
         return torch.cat([torch.zeros_like(after[:, :1]), after[:, :-1]], dim=1)  # (B, T): V(s_t)
 
@@ -140,7 +141,8 @@ class Critic:
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             self.learner.load_module_state(self.wrapped, state["model"])
-            self.learner.checkpoint_optimizer(self.wrapped, self.optimizer, gather=False).load_state_dict(state["optimizer"])
+            self.learner.checkpoint_optimizer(self.wrapped, self.optimizer,
+                                              gather=False).load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
     def compute(self, batch: Batch) -> None:

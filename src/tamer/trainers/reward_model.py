@@ -46,7 +46,8 @@ class RewardModelConfig:
     base_model: str = ""  # local HF model directory to start from; "": the run's policy (model.path or model.tiny)
     steps: int = 300  # optimizer steps
     batch_size: int = 16  # pairs per step (2x as many sequences per forward)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=20, schedule="cosine"))  # AdamW + schedule
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(
+        lr=1e-4, warmup_steps=20, schedule="cosine"))  # AdamW + schedule
     max_length: int = 1024  # tokens per text; longer texts keep their end (the reply)
     center_coef: float = 0.0  # c of c * mean((r_c + r_r)^2): keeps rewards centred on 0
     eval_every: int = 50  # steps between held-out evaluations; 0: only at the end
@@ -66,7 +67,8 @@ class RewardModelConfig:
 
 
 # ---------------------------------------------------------------------------- the model
-def reward_model_from(lm: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def reward_model_from(lm: PreTrainedModel,
+                      tokenizer: PreTrainedTokenizerBase) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A sequence-classification reward model whose trunk is a copy of causal LM `lm`; head at zero.
 
     Returns it with its own copy of the tokenizer, padded on the right (the side HF pooling and
@@ -117,13 +119,15 @@ class EncodedPairs:
 
 
 def encode_pairs(tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair], max_length: int) -> EncodedPairs:
-    chosen, cut_c = encode_texts(tokenizer, [preference_text(tokenizer, p.messages, p.chosen) for p in pairs], max_length)
+    chosen, cut_c = encode_texts(tokenizer, [preference_text(tokenizer, p.messages, p.chosen) for p in pairs],
+                                 max_length)
     rejected, cut_r = encode_texts(tokenizer, [preference_text(tokenizer, p.messages, p.rejected) for p in pairs],
                                    max_length)
     return EncodedPairs(chosen, rejected, torch.tensor([p.margin for p in pairs], dtype=torch.float32), cut_c + cut_r)
 
 
-def pair_rewards(model: PreTrainedModel, pad_id: int, data: EncodedPairs, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_rewards(model: PreTrainedModel, pad_id: int, data: EncodedPairs,
+                 rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen rewards, rejected rewards), each (B,) float32, of pairs `rows` in one forward."""
     ids, mask = pad_right([data.chosen[i] for i in rows] + [data.rejected[i] for i in rows], pad_id,
                           next(model.parameters()).device)
@@ -170,7 +174,8 @@ class RewardModelTrainer:
             loss, parts = bradley_terry_loss(chosen, rejected, margins, cfg.center_coef)
             loss.backward()
             grad_norm = clip_and_step(self.model, self.optimizer, self.scheduler, cfg.optim.max_grad_norm)
-            for key, value in {"loss": loss.item(), "grad_norm": grad_norm, **{k: float(v) for k, v in parts.items()}}.items():
+            for key, value in {"loss": loss.item(), "grad_norm": grad_norm,
+                               **{k: float(v) for k, v in parts.items()}}.items():
                 sums[key] = sums.get(key, 0.0) + value
             metrics: dict[str, float] = {}
             if step % cfg.log_every == 0 or step == cfg.steps:

@@ -156,7 +156,8 @@ class RLConfig:
     checkpoint_every: int = 0  # steps between checkpoints; 0: no periodic checkpoints
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     seed: int = 0  # task order and sampling
-    sampling_seed: str = "batch"  # batch: one stream per generate call | trajectory: one per trajectory (Ray workers' mode)
+    sampling_seed: str = field(  # batch: one stream per generate call |
+        default="batch")  # trajectory: one per trajectory (Ray workers' mode)
     max_staleness: int = 0  # k: a producer samples up to k steps ahead of the learner (decoupled PPO); 0: synchronous
 
     def __post_init__(self) -> None:
@@ -173,7 +174,8 @@ class RLConfig:
             raise FieldError("group_size", "group-relative advantages need at least 2 attempts per prompt")
         if self.tis_cap and not self.on_policy and not self.recompute_old_logprobs:
             raise FieldError("tis_cap", "with several updates per batch (ppo_epochs or mini_batches > 1) TIS needs "
-                                        "rl.recompute_old_logprobs: true (π_old from the learner, π_sampler from the engine)")
+                                        "rl.recompute_old_logprobs: true (π_old from the learner, π_sampler from "
+                                        "the engine)")
         if self.critic.kl_in_reward > 0 and not uses_critic:
             raise FieldError("critic.kl_in_reward", "only PPO's critic (algorithm.advantage: gae) puts the KL in "
                                                     "the reward; for GRPO-style runs use algorithm.kl_coef")
@@ -281,7 +283,8 @@ class RLTrainer:
 
     def held_models(self) -> list[torch.nn.Module]:
         """The models this trainer keeps in memory: policy, critic (unless shared), reference."""
-        copies = [self.ref_model] if self.ref_model is not None and not isinstance(self.ref_model, AdapterFreeView) else []
+        copies = ([self.ref_model] if self.ref_model is not None and not isinstance(self.ref_model, AdapterFreeView)
+                  else [])
         return [self.model, *self.advantage.modules(), *copies]
 
     def trainable_parameters(self) -> int:
@@ -322,7 +325,8 @@ class RLTrainer:
                 batch = self.make_batch(trajectories)  # 4: advantages (+ reference logprobs)
                 if self.recorder is not None:  # a sample of the groups to rollouts.jsonl, at the sampling weights
                     with self._timed("rollout_log"):
-                        self.recorder.on_batch(step, trajectories, batch, lambda b: self._no_grad_logprobs(self.model, b))
+                        self.recorder.on_batch(step, trajectories, batch,
+                                               lambda b: self._no_grad_logprobs(self.model, b))
                 metrics |= self.update(batch, step) | self._token_counts(batch)  # 5: μ inner updates
         self.step = step
         if self.producer is not None:  # the new weights, for batches sampled from now on

@@ -7,6 +7,7 @@ reports. `VLLMEngine` (engine.py) does the mapping from tamer's `SamplingParams`
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -127,10 +128,8 @@ class ColocatedBackend:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
-        try:
+        with contextlib.suppress(Exception):
             llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
         del llm
         gc.collect()
         try:  # the in-process worker set up torch.distributed; a later engine sets it up again

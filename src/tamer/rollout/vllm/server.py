@@ -12,6 +12,7 @@ the server's own message.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -182,7 +183,5 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)  # started with start_new_session: its own process group
-    except ProcessLookupError:
-        pass

@@ -25,6 +25,7 @@ outside their namespace).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -80,10 +81,8 @@ def _reaper(program: int, workdir: str, ready: int) -> None:
     poller.register(program, select.POLLIN)
     while not poller.poll(_REAP_EVERY_MS):
         _reap(block=False)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(-1, signal.SIGKILL)  # from a namespace's PID 1: everything in it, nothing else
-    except ProcessLookupError:
-        pass
     _reap(block=True)
     shutil.rmtree(workdir, ignore_errors=True)
 

@@ -7,6 +7,7 @@ lease (run.py) to clean up after a holder that died mid-run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -179,10 +180,8 @@ def _killpg(proc: subprocess.Popen) -> None:
     # Only while the leader is unreaped is its pid, and so the group id, certainly still ours;
     # after that the sweep finds what is left.
     if proc.returncode is None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def sweep_uid(uid: int, wait_s: float = 2.0) -> None:
@@ -214,9 +213,9 @@ def _live_tasks(uid: int) -> list[int]:
     live = []
     for name in os.listdir("/proc"):
         try:
-            if name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid:
-                if Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1][1:2] != b"Z":
-                    live.append(int(name))
+            if (name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid
+                    and Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1][1:2] != b"Z"):
+                live.append(int(name))
         except OSError:
             continue
     return live
@@ -238,10 +237,8 @@ def _sweep_marked(token: str, wait_s: float = 2.0) -> None:
         if not pids:
             return
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         time.sleep(0.005)
 
 
