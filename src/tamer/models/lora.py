@@ -236,6 +236,16 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def save_merged_model(model: torch.nn.Module, tokenizer: Any, out: str | Path) -> Path:
+    """Write `model` with its policy adapter merged as a plain transformers model directory (for a
+    separate sampler such as vLLM, which loads full weights), without changing `model`."""
+    out = Path(out)
+    model.get_base_model().save_pretrained(out, state_dict=merged_state_dict(model))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
 def fold_adapter(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
     """Merge a trained policy adapter into the base and start a fresh one on top: the reference
     (adapters off) is then the model as it is now. An untrained adapter is kept as it is."""

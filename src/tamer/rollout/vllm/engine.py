@@ -37,6 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.models import save_model
 from tamer.models.logprobs import token_logprobs
+from tamer.models.lora import is_lora, save_merged_model
 from tamer.rollout.types import GenerationOutput, SamplingParams
 from tamer.rollout.vllm.backends import ColocatedBackend, Sample, ServerBackend
 from tamer.rollout.vllm.config import VLLMConfig
@@ -96,7 +97,10 @@ class VLLMEngine:
             return ServerBackend(self.config, url=self.config.url)
         require_vllm()
         check_supported(model)
-        model_dir = save_model(model, self.tokenizer, self.work_dir / "model")
+        if is_lora(model):  # vLLM loads full weights: the adapter merged (the same on every sync)
+            model_dir = save_merged_model(model, self.tokenizer, self.work_dir / "model")
+        else:
+            model_dir = save_model(model, self.tokenizer, self.work_dir / "model")
         if self.config.mode == "server":
             return ServerBackend(self.config, model_dir=str(model_dir), dtype=self.dtype,
                                  max_model_len=self.max_model_len, weight_transfer=weight_transfer,

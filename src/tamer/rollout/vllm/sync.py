@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from tamer.models.lora import is_lora, merged_state_dict
 from tamer.registry import Registry
 from tamer.rollout.vllm.config import VLLMConfig
 from tamer.rollout.vllm.errors import WeightSyncError
@@ -43,8 +44,11 @@ SYNCS: Registry[type[WeightSync]] = Registry("weight sync strategy")
 
 
 def named_weights(model: PreTrainedModel) -> list[tuple[str, torch.Tensor]]:
-    """Every checkpoint tensor of `model` by its checkpoint name, `lm_head.weight` included when tied."""
-    state = model.state_dict()
+    """Every checkpoint tensor of `model` by its checkpoint name, `lm_head.weight` included when tied.
+
+    A LoRA policy (peft) gives its weights with the adapter merged, under the plain model's names:
+    the sampler holds the full model that is being trained."""
+    state = merged_state_dict(model) if is_lora(model) else model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
         state["lm_head.weight"] = model.get_input_embeddings().weight
     return [(name, tensor.detach()) for name, tensor in state.items()]
