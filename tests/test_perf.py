@@ -177,8 +177,10 @@ def test_vs_trl_smoke(tmp_path):
     assert row["trl_gradient_checkpointing"] is False and row["trl_use_bias_correction_kl"] is False
     assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
     assert row["target_met"] == (row["ratio_max"] <= row["target"])
-    layouts = row["matmul_gflops_by_layout"][0]  # the reference is the best of the four operand layouts
-    assert len(layouts) == 4 and row["matmul_gflops_1024"] == max(layouts.values())
+    # The reference rate is each run's best of the four operand layouts, then the median over runs;
+    # the row keeps the first run's four layouts.
+    layouts = row["matmul_gflops_by_layout"][0]
+    assert len(layouts) == 4 and row["matmul_gflops_1024"] > 0 and max(layouts.values()) > 0
 
 
 @pytest.mark.slow
