@@ -170,27 +170,6 @@ def test_inprocess_sync_follows_perturbed_weights_with_tied_embeddings(engine, p
     assert engine.weight_version == version + 1
 
 
-def test_lora_policy_samples_from_the_merged_weights(tok, tmp_path):
-    """A LoRA policy on vLLM: started from and synced with the adapter merged; sampled logprobs
-    equal the learner's (peft forward) before and after an adapter update."""
-    from tamer.models.lora import LoraConfig, adapter_parameters, apply_lora
-    from tamer.rollout.vllm import VLLMEngine
-
-    model = apply_lora(build_tiny_model(tok, SMALL), LoraConfig(r=4, alpha=8.0))
-    with torch.no_grad():
-        for p in adapter_parameters(model):
-            p.normal_(0, 0.05)
-    tasks = ArithmeticTasks().split()[1][:4]
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, stop_token_ids=stop_token_ids(tok), seed=5)
-    with VLLMEngine(model, tok, VLLMConfig(), work_dir=tmp_path) as engine:
-        assert _gap(model, Rollout(engine, tok).run(tasks, params), tok.pad_token_id, 1.0) < PARITY
-        with torch.no_grad():
-            for p in adapter_parameters(model):
-                p.add_(torch.randn_like(p) * 0.05)
-        engine.sync_weights(model)
-        assert _gap(model, Rollout(engine, tok).run(tasks, params), tok.pad_token_id, 1.0) < PARITY
-
-
 def test_engine_reports_the_version_that_sampled(engine, policy, tok):
     """vLLM's own record of the weights behind each token equals tamer's version."""
     engine.sync_weights(policy)
@@ -271,6 +250,28 @@ def test_disk_sync_untied_then_a_failed_sync_stops_the_engine(tok, tmp_path):
         assert "\n" not in str(err.value)
         with pytest.raises(VLLMEngineError, match="engine stopped"):
             eng.generate(_prompts(tok, 1), params)
+
+
+def test_lora_policy_samples_from_the_merged_weights(tok, tmp_path):
+    """A LoRA policy on vLLM: started from and synced with the adapter merged; sampled logprobs
+    equal the learner's (peft forward) before and after an adapter update. (Its own engine: after
+    the shared `engine` fixture's tests, since closing an in-process engine resets vLLM's globals.)"""
+    from tamer.models.lora import LoraConfig, adapter_parameters, apply_lora
+    from tamer.rollout.vllm import VLLMEngine
+
+    model = apply_lora(build_tiny_model(tok, SMALL), LoraConfig(r=4, alpha=8.0))
+    with torch.no_grad():
+        for p in adapter_parameters(model):
+            p.normal_(0, 0.05)
+    tasks = ArithmeticTasks().split()[1][:4]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, stop_token_ids=stop_token_ids(tok), seed=5)
+    with VLLMEngine(model, tok, VLLMConfig(), work_dir=tmp_path) as engine:
+        assert _gap(model, Rollout(engine, tok).run(tasks, params), tok.pad_token_id, 1.0) < PARITY
+        with torch.no_grad():
+            for p in adapter_parameters(model):
+                p.add_(torch.randn_like(p) * 0.05)
+        engine.sync_weights(model)
+        assert _gap(model, Rollout(engine, tok).run(tasks, params), tok.pad_token_id, 1.0) < PARITY
 
 
 def test_unsupported_head_size_fails_before_start_in_one_line(tok):
