@@ -147,7 +147,7 @@ def test_a_dead_rank_stops_the_run_cleanly_and_resume_finishes_it(tmp_path):
 
 
 def test_one_step_off_policy_still_learns_arithmetic(tmp_path):
-    """The arithmetic demo (README: SFT 0.595, GRPO 0.95-1.0 after 40 steps) with rl.max_staleness=1:
+    """The arithmetic demo (README: SFT 0.595, GRPO 0.91-0.99 after 40 steps) with rl.max_staleness=1:
     staleness never exceeds 1, and GRPO still teaches the carries the SFT model forgets."""
     from tamer.config import load_config
     from tamer.pipeline import RunConfig, run_demo
