@@ -43,7 +43,7 @@ import torch
 
 from tamer.models import quiet_progress
 from tamer.models.lora import ADAPTER_WEIGHTS, DEFAULT, is_lora, set_adapter_state
-from tamer.storage import as_storage_error
+from tamer.storage import as_storage_error, fsync_dir, fsync_tree
 
 TRAINER_STATE = "trainer_state.pt"
 LATEST = "latest"
@@ -102,7 +102,7 @@ def save_checkpoint(
             tokenizer.save_pretrained(tmp)
         trainer_state = _trainer_state(step, optimizer, scheduler, state)
         torch.save(trainer_state, tmp / TRAINER_STATE)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         _publish(tmp, final)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -160,26 +160,6 @@ def _capture_rng() -> dict:
     return rng
 
 
-def _fsync_tree(root: Path) -> None:
-    """Flush every file and directory under `root` to disk before it becomes visible."""
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    # Directory fsync makes renames durable on POSIX; Windows cannot open directories.
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(tmp: Path, final: Path) -> None:
     """Rename `tmp` to `final`; an existing `final` (re-saving a step) is swapped out first."""
     old = None
@@ -188,7 +168,7 @@ def _publish(tmp: Path, final: Path) -> None:
         old = final.with_name(f"{TMP_PREFIX}old-{final.name}-{uuid.uuid4().hex[:8]}")
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -200,7 +180,7 @@ def _write_latest(ckpt_dir: Path, name: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, ckpt_dir / LATEST)
-    _fsync_dir(ckpt_dir)
+    fsync_dir(ckpt_dir)
 
 
 def _prune(ckpt_dir: Path, keep_last: int, keep: Path) -> None:

@@ -46,6 +46,7 @@ import torch
 
 from tamer.config import FieldError
 from tamer.rollout.types import Trajectory
+from tamer.storage import read_jsonl
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 
@@ -98,16 +99,7 @@ def read_rollouts(path: str | Path) -> list[dict[str, Any]]:
     """The records of rollouts.jsonl (or of the one in a run directory); a torn last line is skipped."""
     path = Path(path)
     path = path / ROLLOUTS_FILE if path.is_dir() else path
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    records = []
-    for i, line in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if i == len(lines) - 1:
-                break  # the writer died mid-line
-            raise ValueError(f"{path}: line {i + 1} is not valid JSON: {err}") from err
-    return records
+    return read_jsonl(path)
 
 
 # ---------------------------------------------------------------------------- records

@@ -158,13 +158,13 @@ def atomic_directory(final: str | os.PathLike, what: str = "the model") -> Itera
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         yield tmp
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         old = None
         if final.exists():  # rename() cannot replace a non-empty directory: move the old one aside
             old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
             os.rename(final, old)
         os.rename(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException as err:
@@ -175,7 +175,8 @@ def atomic_directory(final: str | os.PathLike, what: str = "the model") -> Itera
         raise translated from err
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
+    """Flush every file and directory under `root` to disk before it becomes visible."""
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
             fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
@@ -183,10 +184,11 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
+        fsync_dir(Path(dirpath))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make renames inside `path` durable (POSIX; Windows cannot open directories)."""
     if os.name != "posix":
         return
     fd = os.open(path, os.O_RDONLY)
@@ -194,6 +196,21 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL file written line by line: a torn last line (the writer died
+    mid-line) is skipped; a bad line elsewhere is an error naming the file and line."""
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i + 1} is not valid JSON: {err}") from err
+    return records
 
 
 # ---------------------------------------------------------------------------- strict JSON

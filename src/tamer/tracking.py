@@ -46,7 +46,7 @@ from tamer.config import FieldError
 from tamer.health import HealthConfig, HealthMonitor
 from tamer.progress import ProgressView
 from tamer.rollout_log import RolloutFile, RolloutLogConfig, rollouts_markdown
-from tamer.storage import storage_errors, strict_dumps
+from tamer.storage import read_jsonl, storage_errors, strict_dumps
 from tamer.tracking_backends import MlflowConfig, WandbConfig, check_backends
 
 
@@ -285,16 +285,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     A torn last line (the process died mid-write) is skipped; a bad line elsewhere is an error.
     """
     path = _metrics_file(path)
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    records = []
-    for i, line in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}: line {i + 1} is not valid JSON: {err}") from err
-    return records
+    return read_jsonl(path)
 
 
 def _metrics_file(path: str | Path) -> Path:
