@@ -59,11 +59,13 @@ class Batch:
 
 
 def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: int,
-            process_weight: float = 0.0) -> Batch:
+            process_weight: float = 0.0, turns: bool = True) -> Batch:
     """Stack trajectories (prompt + completion) into one right-padded `Batch`.
 
-    `process_weight` is the weight of the `process` reward: each turn's environment reward
-    times it goes into `turn_rewards`, the share of R_i earned at that turn (see `turn_rewards`)."""
+    `turns` adds `turn_ids` and `turn_rewards` (per-turn estimators; the trainer asks only when
+    its estimator reads them). `process_weight` is the weight of the `process` reward: each
+    turn's environment reward times it goes into `turn_rewards`, the share of R_i earned at that
+    turn (see `turn_rewards`)."""
     ids = [t.prompt_ids + t.completion_ids for t in trajectories]
     masks = [[0] * len(t.prompt_ids) + list(t.loss_mask) for t in trajectories]
     logprobs = [[0.0] * len(t.prompt_ids) + list(t.logprobs) for t in trajectories]
@@ -79,8 +81,9 @@ def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: in
         rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         prompt_lengths=torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long),
         prefix_index=torch.tensor(prefix_index, dtype=torch.long),
-        turn_ids=right_pad([[-1] * len(t.prompt_ids) + token_turns(t) for t in trajectories], -1, torch.long),
-        turn_rewards=turn_rewards(trajectories, process_weight),
+        turn_ids=right_pad([[-1] * len(t.prompt_ids) + token_turns(t) for t in trajectories], -1, torch.long)
+        if turns else None,
+        turn_rewards=turn_rewards(trajectories, process_weight) if turns else None,
     )
 
 

@@ -436,7 +436,8 @@ class RLTrainer:
     def make_batch(self, trajectories: list[Trajectory]) -> Batch:
         """Collate, reference (and recomputed old) logprobs when needed, then advantages."""
         batch = collate(trajectories, torch.zeros(len(trajectories)), self.tokenizer.pad_token_id,
-                        process_weight=self.rewards.config.weights.get("process", 0.0))
+                        process_weight=self.rewards.config.weights.get("process", 0.0),
+                        turns=getattr(self.advantage, "per_turn", False))  # the per-token loop only when read
         with self._timed("logprobs"):
             if self.ref_model is not None:
                 batch.ref_logprobs = self._no_grad_logprobs(self.ref_model, batch)
