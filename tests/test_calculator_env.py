@@ -92,6 +92,38 @@ def test_demonstrations_replayed_through_env_succeed(split):
     assert source.demonstrate(task, random.Random(1)).endswith(f"<answer>{task.answer}</answer>")
 
 
+def test_demonstrator_habits_first_step_in_the_head_and_double_check(split):
+    """The habits SFT copies: the first step done in the head (its slip carried through the later
+    calls into a wrong answer, which the env scores as a failure) and the last call repeated."""
+    tasks = split[1][:40]
+    always_slips = CalculatorTasks(CalculatorConfig(heldout_size=300, train_size=400, demo_redundant_rate=0.0,
+                                                    demo_mental_rate=1.0, demo_mental_slip_rate=1.0))
+    env, rng, wrong = CalculatorEnv(), random.Random(0), 0
+    for task in tasks:
+        turns = always_slips.demonstrate_turns(task, rng)
+        calls = turns[:-1]
+        assert len(calls) == task.meta["optimal_calls"] - 1  # no call for the first step
+        assert tool_call_text(task.meta["expressions"][0]) not in calls
+        env.reset(task)
+        for turn in calls:
+            assert "error" not in env.step(turn).observation
+        last_result = env.step(calls[-1]).observation  # the demonstrator answers its last result
+        answer = turns[-1].removeprefix("<answer>").removesuffix("</answer>")
+        assert last_result == f"<tool_response>{answer}</tool_response>"
+        env.reset(task)
+        for turn in calls:
+            env.step(turn)
+        final = env.step(turns[-1])
+        wrong += not final.info["success"]
+    assert wrong >= len(tasks) // 2  # a slip in the first step usually survives to the answer
+    checks = CalculatorTasks(CalculatorConfig(heldout_size=300, train_size=400, demo_redundant_rate=0.0,
+                                              demo_double_check_rate=1.0))
+    for task in tasks:
+        turns = checks.demonstrate_turns(task, rng)
+        assert turns[-3] == turns[-2] == tool_call_text(task.meta["expressions"][-1])
+        assert len(turns) == task.meta["optimal_calls"] + 2 and turns[-1] == f"<answer>{task.answer}</answer>"
+
+
 def test_env_wrong_answer_and_tool_errors(split):
     task = split[1][0]
     env = CalculatorEnv()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from tamer.config import load_config
 from tamer.pipeline import RunConfig
 from tamer.presets import preset_path
@@ -25,3 +27,23 @@ def test_scheduler_outcome_twin_only_changes_the_credit():
     assert base.sft == outcome.sft and base.task == outcome.task and base.eval == outcome.eval
     assert base.agent == outcome.agent and base.model == outcome.model
     assert base.rl.steps == outcome.rl.steps and base.rl.optim == outcome.rl.optim
+
+
+def test_scheduler_preset_is_hard_for_outcome_only_credit():
+    """The preset's demonstrator (what SFT copies, and about what its samples do) almost never gets a
+    whole week right, while it books more than a fifth of the meetings right: an outcome-only learner sees
+    nearly no success to learn from, per-turn process rewards see one per booking."""
+    import random
+
+    from tamer.tasks.scheduler import SchedulerTasks, Week, demonstrator_calls
+
+    cfg = _preset("demo-scheduler").task.scheduler
+    train, _ = SchedulerTasks(dataclasses.replace(cfg, train_size=1500, heldout_size=1)).split()
+    rng, weeks, right, meetings = random.Random(0), 0, 0, 0
+    for task in train:
+        week = Week.from_dict(task.meta["week"])
+        booked = [args["day"] for name, args in demonstrator_calls(week, rng, cfg.demo_hasty_rate) if name == "book"]
+        hits = sum(b == a for b, a in zip(booked, week.answers))
+        right, meetings, weeks = right + hits, meetings + len(week.answers), weeks + (hits == len(week.answers))
+    assert weeks / len(train) < 0.01
+    assert 0.2 < right / meetings < 0.5

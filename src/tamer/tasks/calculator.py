@@ -14,9 +14,10 @@ pens and sells 158 pens. How many pens are left?"), with numbers from a seeded R
 The scripted demonstrator (`demonstrate_turns`) is wasteful: one call per step, and after a
 step, with probability `demo_redundant_rate`, it computes an earlier step again. Its habits,
 off by default: `demo_double_check_rate` repeats the last calculation before answering, and
-`demo_mental_rate` does the last step in its head instead, slipping by ten at times (a wrong
-answer). SFT on it copies what it does most; RL with a cost penalty (`info["cost"]` counts
-calls, `info["optimal_cost"]` is the number of steps) and the outcome can learn to drop both.
+`demo_mental_rate` does the first step in its head instead of calling, slipping by ten at times
+(the later calls then carry the slip into a wrong answer). SFT on it copies what it does most;
+RL with a cost penalty (`info["cost"]` counts calls, `info["optimal_cost"]` is the number of
+steps) and the outcome can learn to drop both.
 
 `calculate` is a safe evaluator over Python's `ast`: numbers, + - * / // % **, parentheses
 and unary signs only; no names, calls or attributes, and no `eval`.
@@ -163,14 +164,23 @@ TEMPLATES: dict[str, Callable[[random.Random], tuple[str, list[Step]]]] = {
 }
 
 
-def run_steps(steps: list[Step]) -> tuple[list[str], list[int]]:
-    """The expression each step sends to the calculator, and each step's result."""
+def run_steps(steps: list[Step], first_value: int | None = None) -> tuple[list[str], list[int | float]]:
+    """The expression each step sends to the calculator, and each step's result.
+
+    `first_value` replaces the first step's result (a step done in the head, maybe wrong): the
+    later steps are then computed as the calculator would, inexact divisions included.
+    """
     expressions: list[str] = []
-    values: list[int] = []
+    values: list[int | float] = []
     for left, op, right in steps:
         lhs, rhs = (values[int(x[1:])] if isinstance(x, str) else x for x in (left, right))
         expressions.append(f"{lhs}{op}{rhs}")
-        values.append(_apply(lhs, op, rhs))
+        if first_value is not None and len(values) == 0:
+            values.append(first_value)
+        elif first_value is not None:
+            values.append(calculate(expressions[-1]))
+        else:
+            values.append(_apply(lhs, op, rhs))
     return expressions, values
 
 
@@ -205,7 +215,7 @@ class CalculatorConfig:
     demo_redundant_rate: float = 0.5  # chance, after each step, that the demo recomputes one
     demo_double_check_rate: float = field(  # chance of repeating the last calculation before answering
         default=0.0)  # (> 0.5: a habit SFT copies)
-    demo_mental_rate: float = 0.0  # chance of doing the last step in the head (no call) instead
+    demo_mental_rate: float = 0.0  # chance of doing the first step in the head (no call) instead
     demo_mental_slip_rate: float = 0.5  # chance that a step done in the head is off by ten (a wrong answer)
     seed: int = 0  # problem generation
 
@@ -254,23 +264,26 @@ class CalculatorTasks:
     def demonstrate_turns(self, task: Task, rng: random.Random) -> list[str]:
         """Assistant turns: one calculator call per step (plus redundant repeats), then the answer.
 
-        With the habits of `CalculatorConfig`: the last step done in the head (no call; the
-        answer slips by ten at times), or the last calculation repeated before answering.
+        With the habits of `CalculatorConfig`: the first step done in the head (no call; its
+        result slips by ten at times and the later calls carry the slip), or the last calculation
+        repeated before answering.
         """
         cfg = self.config
-        expressions = task.meta["expressions"]
-        mental = cfg.demo_mental_rate > 0 and rng.random() < cfg.demo_mental_rate
+        steps = task.meta["steps"]
+        expressions, answer = task.meta["expressions"], task.answer
+        mental = cfg.demo_mental_rate > 0 and len(steps) > 1 and rng.random() < cfg.demo_mental_rate
+        if mental:
+            _, values = run_steps(steps[:1])
+            expressions, values = run_steps(steps, _mental_result(int(values[0]), rng, cfg.demo_mental_slip_rate))
+            expressions, answer = expressions[1:], str(values[-1])
         turns = []
-        for i, expression in enumerate(expressions[:-1] if mental else expressions):
+        for i, expression in enumerate(expressions):
             turns.append(tool_call_text(expression))
             if cfg.demo_redundant_rate and rng.random() < cfg.demo_redundant_rate:
                 turns.append(tool_call_text(expressions[rng.randint(0, i)]))
-        if mental:
-            turns.append(format_answer(str(_mental_result(int(task.answer), rng, cfg.demo_mental_slip_rate))))
-            return turns
         if cfg.demo_double_check_rate > 0 and rng.random() < cfg.demo_double_check_rate:
             turns.append(tool_call_text(expressions[-1]))
-        turns.append(format_answer(task.answer))
+        turns.append(format_answer(answer))
         return turns
 
     def demonstrate(self, task: Task, rng: random.Random) -> str:
