@@ -77,6 +77,10 @@ def main() -> None:
     if learner.is_main:
         torch.save({"params": state, "critic": critic_state, "metrics": metrics}, args.out)
     learner.barrier()
+    if torch.distributed.is_initialized():
+        # As scale/rank.py does: a rank that exits with the group alive can abort in gloo's
+        # teardown ("terminate called without an active exception"), failing the run after its work.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
