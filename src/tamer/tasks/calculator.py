@@ -175,12 +175,10 @@ def run_steps(steps: list[Step], first_value: int | None = None) -> tuple[list[s
     for left, op, right in steps:
         lhs, rhs = (values[int(x[1:])] if isinstance(x, str) else x for x in (left, right))
         expressions.append(f"{lhs}{op}{rhs}")
-        if first_value is not None and len(values) == 0:
-            values.append(first_value)
-        elif first_value is not None:
-            values.append(calculate(expressions[-1]))
-        else:
+        if first_value is None:
             values.append(_apply(lhs, op, rhs))
+        else:
+            values.append(calculate(expressions[-1]) if values else first_value)
     return expressions, values
 
 
@@ -273,8 +271,9 @@ class CalculatorTasks:
         expressions, answer = task.meta["expressions"], task.answer
         mental = cfg.demo_mental_rate > 0 and len(steps) > 1 and rng.random() < cfg.demo_mental_rate
         if mental:
-            _, values = run_steps(steps[:1])
-            expressions, values = run_steps(steps, _mental_result(int(values[0]), rng, cfg.demo_mental_slip_rate))
+            # The first step's operands are numbers (later steps refer back to it).
+            in_head = _mental_result(_apply(*steps[0]), rng, cfg.demo_mental_slip_rate)
+            expressions, values = run_steps(steps, in_head)
             expressions, answer = expressions[1:], str(values[-1])
         turns = []
         for i, expression in enumerate(expressions):

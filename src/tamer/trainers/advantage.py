@@ -24,6 +24,7 @@ from tamer.trainers.batch import Batch
 
 class Advantage(Protocol):
     needs_reference: bool  # compute() reads batch.ref_logprobs (a KL penalty in the reward)
+    per_turn: bool  # compute() reads batch.turn_ids and batch.turn_rewards (collate builds them only then)
 
     def compute(self, batch: Batch) -> None: ...
 

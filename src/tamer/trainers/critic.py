@@ -98,6 +98,7 @@ class Critic:
                  learner: Learner | None = None) -> None:
         self.config = config
         self.needs_reference = config.kl_in_reward > 0  # the KL penalty in the reward needs π_ref
+        self.per_turn = False  # GAE reads per-token rewards, not turns
         self.policy = policy
         self.learner = learner or Learner()
         if (config.shared or config.adapter) and self.learner.world > 1:

@@ -437,7 +437,7 @@ class RLTrainer:
         """Collate, reference (and recomputed old) logprobs when needed, then advantages."""
         batch = collate(trajectories, torch.zeros(len(trajectories)), self.tokenizer.pad_token_id,
                         process_weight=self.rewards.config.weights.get("process", 0.0),
-                        turns=getattr(self.advantage, "per_turn", False))  # the per-token loop only when read
+                        turns=self.advantage.per_turn)
         with self._timed("logprobs"):
             if self.ref_model is not None:
                 batch.ref_logprobs = self._no_grad_logprobs(self.ref_model, batch)
