@@ -268,3 +268,9 @@ def test_prefix_reuse_across_turns_matches_full_prefill(tokenizer, tiny_model, t
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
     engine.sync_weights(tiny_model)  # new weights: nothing stale survives
     assert len(engine.prefix_store) == 0
+
+
+def test_demo_table_shows_missing_figures_as_a_dash():
+    from tamer.cli import _fmt
+
+    assert [_fmt(v) for v in (None, float("nan"), 0.975, 10, "x")] == ["-", "-", "0.975", "10", "x"]

@@ -83,3 +83,33 @@ def test_bpe_tokenizer_shortens_and_reloads_identically(tmp_path):
     model = build_tiny_model(bpe, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=4, intermediate_size=64))
     save_model(model, bpe, tmp_path / "m")
     assert AutoTokenizer.from_pretrained(tmp_path / "m")(text, add_special_tokens=False)["input_ids"] == ids
+
+
+def test_bpe_digits_split_merges_template_text_keeps_digits_and_reloads(tmp_path):
+    """`split="digits"`: the fixed text of a tool call merges across words and punctuation, digits
+    stay one token each, decoding is exact, and the saved tokenizer reloads the same."""
+    import pytest
+
+    from tamer.config import FieldError
+    from tamer.models import ModelConfig, build_bpe_tokenizer
+
+    corpus = [f'<tool_call>{{"name":"book","arguments":{{"flight":"F{i % 7}","hotel":"H{i % 5}"}}}}</tool_call>'
+              f'<tool_response>{{"price":{100 + 13 * i}}}</tool_response>' for i in range(300)]
+    words = build_bpe_tokenizer(corpus, vocab_size=400)
+    digits = build_bpe_tokenizer(corpus, vocab_size=400, split="digits")
+    text = corpus[7]
+    ids = digits(text, add_special_tokens=False)["input_ids"]
+    assert digits.decode(ids) == text
+    assert len(ids) < len(words(text, add_special_tokens=False)["input_ids"])
+    pieces = [digits.decode([i]) for i in ids]
+    assert '","hotel":"H' in pieces  # one token spans punctuation, a word and punctuation
+    assert not any('","' in p and any(c.isalpha() for c in p) for p in
+                   (words.decode([i]) for i in words(text, add_special_tokens=False)["input_ids"]))
+    assert [p for p in pieces if any(c.isdigit() for c in p)] == ["0", "2", "1", "9", "1"]  # F0, H2, price 191
+    save_model(build_tiny_model(digits, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=4,
+                                                        intermediate_size=64)), digits, tmp_path / "m")
+    _, loaded = load_model(tmp_path / "m")  # transformers alone maps a qwen2 dir to Qwen2's own split
+    assert loaded(text, add_special_tokens=False)["input_ids"] == ids
+    assert loaded.decode(ids) == text and loaded.chat_template == digits.chat_template
+    with pytest.raises(FieldError, match="bpe_split"):
+        ModelConfig(tokenizer="bpe", bpe_split="words")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -119,7 +120,10 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 
 def _fmt(value: Any) -> str:
-    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)
+    """A table cell: "-" for a missing figure (None, or NaN: e.g. a cost ratio of a task without costs)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 # ---------------------------------------------------------------------------- run commands

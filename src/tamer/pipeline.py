@@ -110,7 +110,7 @@ def build_policy(config: ModelConfig,
                 raise ValueError("model.tokenizer=bpe needs the task whose text it is trained on")
             source = get_task_source(task)
             tokenizer = build_bpe_tokenizer(demonstration_texts(source, source.split()[0], tokenizer),
-                                            config.bpe_vocab_size)
+                                            config.bpe_vocab_size, config.bpe_split)
         model = build_tiny_model(tokenizer, config.tiny).to(DTYPES[config.dtype])
     if config.lora.enabled:  # adapters on the frozen base; the reference is the base (tamer.models.lora)
         model = apply_lora(model, config.lora, base_source=config.path or None)

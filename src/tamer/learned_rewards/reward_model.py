@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from tamer.models import quiet_progress
+from tamer.models import load_tokenizer, quiet_progress
 from tamer.rollout.types import Trajectory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -131,7 +131,7 @@ class RewardModelScorer:
             raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
         if dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = load_tokenizer(path)
         with quiet_progress():
             model = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[dtype], local_files_only=True)
         if tokenizer.pad_token_id is None:

@@ -30,6 +30,7 @@ from tamer.models.loading import (
     encode_chat,
     load_causal_lm,
     load_model,
+    load_tokenizer,
     quiet_progress,
     save_model,
     stop_token_ids,
@@ -53,6 +54,6 @@ __all__ = [
     "BOS", "CHATML_TEMPLATE", "DTYPES", "EOS", "ModelConfig", "IM_START", "MARKUP_TOKENS", "PAD", "PRECISIONS",
     "SPECIAL_TOKENS", "UNK",
     "TinyModelConfig", "autocast", "build_bpe_tokenizer", "build_char_tokenizer", "build_tiny_model",
-    "cache_keyword", "count_parameters", "encode_chat", "intra_op_threads", "load_model", "quiet_progress",
-    "save_model", "shared_prefix_logprobs", "stop_token_ids", "token_logprobs",
+    "cache_keyword", "count_parameters", "encode_chat", "intra_op_threads", "load_model", "load_tokenizer",
+    "quiet_progress", "save_model", "shared_prefix_logprobs", "stop_token_ids", "token_logprobs",
 ]

@@ -14,6 +14,7 @@ Nothing here touches the network: loading passes `local_files_only=True`.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,11 +113,13 @@ class ModelConfig:
     threads: int = 0  # torch CPU threads; 0 keeps torch's default
     tokenizer: str = "char"  # tiny models: "char" (one token per byte) or "bpe" (trained on the task's text)
     bpe_vocab_size: int = 1024  # vocabulary of the "bpe" tokenizer
+    bpe_split: str = "qwen2"  # its pre-tokenizer: "qwen2" (words, punctuation) or "digits" (only digits split off)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (r > 0) instead of full fine-tuning
 
     def __post_init__(self) -> None:
         check_name("dtype", self.dtype, DTYPES, "dtype")
         check_name("tokenizer", self.tokenizer, TOKENIZERS, "tokenizer")
+        check_name("bpe_split", self.bpe_split, BPE_SPLITS, "BPE split")
         if self.threads < 0:
             raise FieldError("threads", f"expected >= 0 (0: torch's default), got {self.threads}")
         if self.bpe_vocab_size < 300:
@@ -156,19 +159,25 @@ QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
     r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+# "digits": only digits are split off (one token each); merges may cross words, punctuation and
+# spaces, so a templated tool call's fixed text (`","arguments":{"`) can become one token.
+BPE_SPLITS = {"qwen2": QWEN2_PRETOKENIZE_REGEX, "digits": r"\p{N}|[^\p{N}]+"}
 
 
-def build_bpe_tokenizer(corpus: Iterable[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+def build_bpe_tokenizer(corpus: Iterable[str], vocab_size: int = 1024, split: str = "qwen2") -> PreTrainedTokenizerFast:
     """A byte-level BPE trained locally on `corpus`, with the same specials and template as
     `build_char_tokenizer`.
 
     For tasks whose text is long and regular (tool calls, JSON tool results) it shortens
     sequences several times over the character tokenizer. Digits stay one token each.
+    `split` is the pre-tokenizer (`BPE_SPLITS`): "qwen2" (Qwen2's word/punctuation split) or
+    "digits" (only digits split off: shorter sequences for templated text).
     """
+    check_name("split", split, BPE_SPLITS, "BPE split")
     backend = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.Split(Regex(BPE_SPLITS[split]), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     backend.decoder = decoders.ByteLevel()
@@ -235,6 +244,24 @@ def quiet_progress() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local model directory, as saved.
+
+    transformers 5 maps some model types (qwen2 among them) to their family's tokenizer class
+    whatever tokenizer_config.json declares, and that class rebuilds the family's pre-tokenizer. A
+    directory that declares the generic class (what `save_model` writes for the tokenizers tamer
+    builds, e.g. a BPE with `split="digits"`) loads as exactly its tokenizer.json instead."""
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    config_file = Path(path) / "tokenizer_config.json"
+    if type(tokenizer) is not PreTrainedTokenizerFast and config_file.is_file() \
+            and json.loads(config_file.read_text()).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return tokenizer
+
+
 def load_model(
     path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -245,7 +272,7 @@ def load_model(
     if not is_lora_dir(path):
         path = check_model_dir(path)  # ModelDirError naming what is missing, before transformers tries
     with model_dir_errors(path), quiet_progress():
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = load_tokenizer(path)
         model = load_causal_lm(path, dtype)
     if tokenizer.pad_token_id is None:  # many base models ship without one
         tokenizer.pad_token = tokenizer.eos_token

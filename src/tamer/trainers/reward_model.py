@@ -25,7 +25,6 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
-    AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -33,7 +32,7 @@ from transformers import (
 from tamer.algorithms.preference import CalibrationReport, bradley_terry_loss, calibration
 from tamer.config import FieldError
 from tamer.learned_rewards.reward_model import encode_texts, pad_right, preference_text, reward_forward
-from tamer.models import quiet_progress
+from tamer.models import load_tokenizer, quiet_progress
 from tamer.tasks.preferences import PreferenceDataConfig, PreferencePair
 from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler
 
@@ -97,7 +96,7 @@ def load_reward_base(path: str | Path) -> tuple[PreTrainedModel, PreTrainedToken
         raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if any(a.endswith("ForSequenceClassification") for a in config.architectures or []) and config.num_labels == 1:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = load_tokenizer(path)
         with quiet_progress():
             return AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True), tokenizer
     lm, tokenizer = load_model(path)
