@@ -11,29 +11,14 @@ from tamer.evaluate import agent_metrics
 from tamer.rewards import cost_penalty, steps_penalty, tool_success
 from tamer.rollout.agent import AgentConfig, AgentRollout, ToolMessageRenderer
 from tamer.rollout.engine import HFEngine
-from tamer.rollout.types import GenerationOutput, SamplingParams
+from tamer.rollout.types import SamplingParams
 from tamer.tasks import CalculatorTasks, TripPlannerTasks
 from tamer.tasks.base import Task
 from tamer.tasks.env import ENVIRONMENTS, StepResult
 from tamer.tasks.tool_env import ToolEnvConfig, ToolEnvironment
 from tamer.tools.schema import ToolSet
 from tamer.trainers.batch import collate
-
-
-class ScriptedEngine:
-    """A stand-in engine that 'samples' given assistant texts, turn after turn."""
-
-    def __init__(self, tokenizer, turns):
-        self.tokenizer, self.turns, self.calls = tokenizer, list(turns), 0
-
-    def sync_weights(self, model):
-        pass
-
-    def generate(self, prompts, params):
-        text = self.turns[min(self.calls, len(self.turns) - 1)]
-        self.calls += 1
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        return [[GenerationOutput(ids, [-0.5] * len(ids), "stop") for _ in range(params.n)] for _ in prompts]
+from tests.helpers import ScriptedEngine
 
 
 def _check_layout(traj, tokenizer):

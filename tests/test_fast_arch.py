@@ -25,6 +25,7 @@ from tamer.models import shared_prefix_logprobs, token_logprobs
 from tamer.models.fast_forward import FastDecoder, unsupported_reason
 from tamer.rollout.engine import HFEngine, _left_pad, preallocate
 from tamer.rollout.types import SamplingParams
+from tests.helpers import assert_learner_matches_hf
 
 VOCAB, PAD = 101, 0
 SIZE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -79,10 +80,6 @@ def _right_padded(rows):
     return ids, torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
 
 
-def _hf_only(monkeypatch):
-    monkeypatch.setattr(FastDecoder, "for_model", classmethod(lambda cls, model: None))
-
-
 def test_every_supported_config_takes_the_fast_path():
     for name in SUPPORTED:
         assert unsupported_reason(build(name)) is None, name
@@ -112,25 +109,9 @@ def test_learner_logprobs_and_gradients_equal_hf(name, monkeypatch):
     ids, mask = _right_padded(ROWS)
     plen, index = torch.tensor([9, 9, 6, 6]), torch.tensor([0, 0, 1, 1])
 
-    def run():
-        out = []
-        for fn in (lambda: token_logprobs(model, ids, mask, 0.7),
-                   lambda: shared_prefix_logprobs(model, ids, mask, plen, index, 0.7)):
-            model.zero_grad()
-            lp = fn()
-            (lp * mask).sum().backward()
-            out.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
-        return out
-
-    fast = run()
-    _hf_only(monkeypatch)
-    hf = run()
     valid = mask.bool()
     valid[:, 0] = False
-    for (lp_a, grads_a), (lp_b, grads_b) in zip(fast, hf):
-        torch.testing.assert_close(lp_a[valid], lp_b[valid], atol=1e-5, rtol=1e-5)
-        for ga, gb in zip(grads_a, grads_b):
-            torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-4)
+    assert_learner_matches_hf(model, ids, mask, plen, index, monkeypatch, valid)
 
 
 @pytest.mark.parametrize("name", sorted(SUPPORTED))

@@ -4,10 +4,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tamer.models import TinyModelConfig, build_tiny_model, shared_prefix_logprobs, token_logprobs
+from tamer.models import TinyModelConfig, build_tiny_model, token_logprobs
 from tamer.models.fast_forward import FastDecoder, linear, unsupported_reason
 from tamer.rollout.engine import HFEngine, _left_pad, preallocate
 from tamer.rollout.types import SamplingParams
+from tests.helpers import assert_learner_matches_hf, hf_only
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [20, 21, 22, 23, 24]]
 
@@ -103,10 +104,6 @@ def test_snapshot_follows_weight_updates(tokenizer):
                                torch.tensor([o.logprobs for g in b for o in g]), atol=1e-5, rtol=1e-5)
 
 
-def _hf_only(monkeypatch):
-    monkeypatch.setattr(FastDecoder, "for_model", classmethod(lambda cls, model: None))
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "llama3", "yarn"])
 def test_learner_logprobs_and_gradients_equal_hf(tokenizer, arch, monkeypatch):
     model = (_model(tokenizer, arch) if arch in ("qwen2", "llama") else _model(tokenizer, "llama", rope=arch)).train()
@@ -117,24 +114,7 @@ def test_learner_logprobs_and_gradients_equal_hf(tokenizer, arch, monkeypatch):
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     plen, index = torch.tensor([4, 4, 6, 6]), torch.tensor([0, 0, 1, 1])
 
-    def run():
-        out = []
-        for fn in (lambda: token_logprobs(model, ids, mask, 0.7),
-                   lambda: shared_prefix_logprobs(model, ids, mask, plen, index, 0.7)):
-            model.zero_grad()
-            lp = fn()
-            (lp * mask).sum().backward()
-            out.append((lp.detach(), [p.grad.clone() for p in model.parameters()]))
-        return out
-
-    fast = run()
-    _hf_only(monkeypatch)
-    hf = run()
-    for (lp_a, grads_a), (lp_b, grads_b) in zip(fast, hf):
-        valid = mask.bool()
-        torch.testing.assert_close(lp_a[valid], lp_b[valid], atol=1e-5, rtol=1e-5)
-        for ga, gb in zip(grads_a, grads_b):
-            torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-4)
+    assert_learner_matches_hf(model, ids, mask, plen, index, monkeypatch, mask.bool())
 
 
 @pytest.mark.parametrize("change", ["dropout", "mlp_bias"])
@@ -198,7 +178,7 @@ def test_learner_under_bf16_autocast_matches_hf(tokenizer, arch, monkeypatch):
         return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
     lp_fast, grad_fast = run()
-    _hf_only(monkeypatch)
+    hf_only(monkeypatch)
     lp_hf, grad_hf = run()
     valid = mask.bool()
     valid[:, 0] = False

@@ -13,10 +13,11 @@ import torch
 from tamer.algorithms import ADVANTAGES, get_advantage_fn, grpo, turn_grpo
 from tamer.rewards import RewardComposer, RewardConfig
 from tamer.rollout.agent import AgentConfig, AgentRollout
-from tamer.rollout.types import GenerationOutput, SamplingParams, Trajectory, Turn
+from tamer.rollout.types import SamplingParams, Trajectory, Turn
 from tamer.tasks.base import Task
 from tamer.tasks.scheduler import SchedulerConfig, SchedulerTasks, Week
 from tamer.trainers.batch import collate, token_turns, turn_rewards
+from tests.helpers import ScriptedEngine
 
 # Two members of one group. Tokens: A = [t0 t0 env t1 pad], B = [t0 env t1 env t2].
 TURN_IDS = torch.tensor([[0, 0, -1, 1, -1],
@@ -98,27 +99,11 @@ def test_registered_and_needs_turn_ids():
 # ---------------------------------------------------------------------------------------------
 
 
-class _ScriptedEngine:
-    """'Samples' the given assistant texts, one per turn, for every prompt."""
-
-    def __init__(self, tokenizer, turns):
-        self.tokenizer, self.turns, self.calls = tokenizer, list(turns), 0
-
-    def sync_weights(self, model):
-        pass
-
-    def generate(self, prompts, params):
-        text = self.turns[min(self.calls, len(self.turns) - 1)]
-        self.calls += 1
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        return [[GenerationOutput(ids, [-0.5] * len(ids), "stop") for _ in range(params.n)] for _ in prompts]
-
-
 def _scheduler_episode(tokenizer, hasty_rate: float, seed: int) -> Trajectory:
     source = SchedulerTasks(SchedulerConfig(heldout_size=5, train_size=5, demo_hasty_rate=hasty_rate))
     task = source.split()[1][0]
     turns = source.demonstrate_turns(task, random.Random(seed))
-    rollout = AgentRollout(_ScriptedEngine(tokenizer, turns), tokenizer,
+    rollout = AgentRollout(ScriptedEngine(tokenizer, turns), tokenizer,
                            AgentConfig(max_turns=12, max_total_tokens=4000, show_tools=False))
     return rollout.run([task], SamplingParams(n=1, max_new_tokens=200))[0]
 

@@ -72,6 +72,12 @@ JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of a
 ResumeIfExistsOpt = typer.Option(False, "--resume-if-exists", help="Resume when a checkpoint exists, else start fresh.")
 
 
+def _resume_opt(phase: str):
+    """The --resume option of a command that checkpoints into OUTPUT_DIR/PHASE/checkpoints."""
+    return typer.Option(False, "--resume", help=f"Continue from the latest checkpoint in OUTPUT_DIR/{phase}/"
+                        "checkpoints.")
+
+
 # ---------------------------------------------------------------------------- shared plumbing
 def load_run_config(files: Optional[list[str]] = None, overrides: Optional[list[str]] = None,
                     imports: Optional[list[str]] = None, *, seed: Optional[int] = None,
@@ -167,8 +173,7 @@ def demo(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = Se
 def sft(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
         imports: Optional[list[str]] = ImportOpt, seed: Optional[int] = SeedOpt,
         output_dir: Optional[str] = OutOpt,
-        resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in "
-                                    "OUTPUT_DIR/sft/checkpoints."),
+        resume: bool = _resume_opt("sft"),
         resume_if_exists: bool = ResumeIfExistsOpt) -> None:
     """Supervised fine-tuning on the task's demonstrations; saves OUTPUT_DIR/sft/model.
 
@@ -182,8 +187,7 @@ def sft(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = Set
 @app.command()
 def train(config: Optional[list[str]] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
           model: Optional[str] = ModelOpt, imports: Optional[list[str]] = ImportOpt,
-          resume: bool = typer.Option(False, "--resume", help="Continue from the latest checkpoint in "
-                                      "OUTPUT_DIR/rl/checkpoints."),
+          resume: bool = _resume_opt("rl"),
           resume_if_exists: bool = ResumeIfExistsOpt,
           seed: Optional[int] = SeedOpt, output_dir: Optional[str] = OutOpt) -> None:
     """RL with GRPO, a variant or PPO (rl.algorithm.*) against the reward functions; saves OUTPUT_DIR/rl/model.
