@@ -14,7 +14,8 @@ TRL runs in each of its batch layouts: `padded`, `padding_free` (one flattened r
 position ids) and `packing` (best-fit-decreasing rows of `--batch-size` x mean-length tokens,
 so ~the same tokens per step; its batches then hold other sequences than tamer's); its best
 layout is the reference. tamer runs its default (`packed`: padding-free batches on the lean
-forward) and, for reference, `padded` (`sft.padding_free: false`).
+forward, a prefix all sequences of a batch share packed once) and, for reference, `padded`
+(`sft.padding_free: false`) and, on request, `packed_unshared` (`sft.share_prefix: false`).
 
 Each (tamer, TRL layout) set runs `--pairs` times, interleaved, each run in its own subprocess;
 one JSON object per layout and a summary line with the median tokens/s ratio tamer / best TRL
@@ -36,11 +37,11 @@ import time
 from pathlib import Path
 
 TRL_LAYOUTS = ("padded", "padding_free", "packing")
-TAMER_LAYOUTS = ("packed", "padded")
+TAMER_LAYOUTS = ("packed", "padded")  # and packed_unshared: packed, sft.share_prefix false
 
 
 # ---------------------------------------------------------------------------- data and model (parent)
-def prepare(task: str, out: Path, seed: int) -> dict:
+def prepare(task: str, out: Path, seed: int, overrides: list[str] = ()) -> dict:
     """Build the demo's model + tokenizer and its demonstrations once; return the spec's data part."""
     from tamer.config import load_config
     from tamer.models import save_model
@@ -48,7 +49,7 @@ def prepare(task: str, out: Path, seed: int) -> dict:
     from tamer.presets import preset_path
     from tamer.tasks import get_task_source
     from tamer.trainers.sft import demonstrations
-    config = load_config(RunConfig, [preset_path(f"demo-{task}")], seed_overrides(seed))
+    config = load_config(RunConfig, [preset_path(f"demo-{task}")], [*seed_overrides(seed), *overrides])
     model, tokenizer = build_policy(config.model, config.task)
     source = get_task_source(config.task)
     examples = demonstrations(source, source.split()[0], tokenizer, seed=config.sft.seed, agent=config.agent)
@@ -99,7 +100,7 @@ def run_tamer(spec: dict) -> dict:
                         min_lr_ratio=spec["min_lr_ratio"], max_grad_norm=spec["max_grad_norm"],
                         weight_decay=spec["weight_decay"])
     config = SFTConfig(steps=spec["schedule_steps"], batch_size=spec["batch_size"], optim=optim, seed=spec["data_seed"],
-                       padding_free=spec["layout"] == "packed")
+                       padding_free=spec["layout"] != "padded", share_prefix=spec["layout"] == "packed")
     trainer = SFTTrainer(model, tokenizer, examples, config)
     model.train()
     seconds, cpu, tokens, losses = [], [], [], []
@@ -194,6 +195,68 @@ def run_trl(spec: dict) -> dict:
                    gradient_checkpointing=bool(state["checkpointing"]), trl_version=__import__("trl").__version__)
 
 
+# ---------------------------------------------------------------------------- arithmetic per step
+def model_shape(model_dir: str) -> dict:
+    """The decoder's sizes from its config.json."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = c["num_attention_heads"]
+    return {"hidden": c["hidden_size"], "layers": c["num_hidden_layers"], "mlp": c["intermediate_size"],
+            "heads": heads, "kv_heads": c.get("num_key_value_heads") or heads,
+            "head_dim": c.get("head_dim") or c["hidden_size"] // heads, "vocab": c["vocab_size"]}
+
+
+def step_flops(lengths: list[int], learned: int, shape: dict, layout: str, group: int = 4, shared: int = 0) -> dict:
+    """Model FLOPs of one SFT step (forward + backward) over sequences of `lengths` with `learned` learned tokens.
+
+    Matmuls: 6 FLOPs per weight per token (forward 2, input and weight gradients 4). Attention:
+    7·W²·D per head for a row of width W (forward QKᵀ and PV over the causal lower triangle 2·W²·D,
+    the flash backward 5·W²·D), counted with the upper triangle skipped for both layouts (TRL's
+    masked kernel may do more). `packed` (tamer): every layer's q/k/v on the N packed tokens (a
+    prefix of `shared` tokens all sequences start with counted once), the rest of the last layer
+    and the head on the learned positions only, attention in groups of `group` length-sorted
+    sequences each padded to its longest, every row whole (`trainers/packed.py`). `padded`
+    (TRL, tamer's HF path): every token-wise op and the head on B x T_max positions, one row per
+    sequence. Norms, RoPE, activations and the loss are left out (no matmul).
+    """
+    h, layers, d, heads = shape["hidden"], shape["layers"], shape["head_dim"], shape["heads"]
+    qkv, o, mlp = h * (heads + 2 * shape["kv_heads"]) * d, heads * d * h, 3 * h * shape["mlp"]
+    row_attention = lambda width: 7 * width * width * d * heads  # noqa: E731
+    if layout == "packed":
+        n, ordered = sum(lengths) - shared * (len(lengths) - 1), sorted(lengths)
+        widths = [max(ordered[i:i + group]) for i in range(0, len(ordered), group)]
+        rows = [len(ordered[i:i + group]) for i in range(0, len(ordered), group)]
+        linear = 6 * (layers * n * qkv + (layers - 1) * n * (o + mlp) + learned * (o + mlp))
+        attention = layers * sum(r * row_attention(w) for r, w in zip(rows, widths))
+        head = 6 * learned * h * shape["vocab"]
+    elif layout == "padded":
+        positions = len(lengths) * max(lengths)
+        linear = 6 * layers * positions * (qkv + o + mlp)
+        attention = layers * len(lengths) * row_attention(max(lengths))
+        head = 6 * positions * h * shape["vocab"]
+    else:
+        raise ValueError(f"step_flops: layout {layout!r} is not one of packed, padded")
+    return {"linear": linear, "attention": attention, "head": head, "total": linear + attention + head}
+
+
+def work_ratio(spec: dict, steps: range) -> dict:
+    """TRL padded's model FLOPs / tamer packed's over the batches of `steps` (the same batches both see)."""
+    from tamer.trainers.packed import ATTENTION_GROUP, prefix_to_share
+    examples, shape = _examples(spec), model_shape(spec["model"])
+    totals = {"packed": {}, "padded": {}}
+    for batch in (_order(dict(spec, steps=steps.stop), examples)[i] for i in steps):
+        lengths = [len(examples[i].prompt_ids) + len(examples[i].completion_ids) for i in batch]
+        learned = sum(sum(examples[i].completion_mask or [1] * len(examples[i].completion_ids)) for i in batch)
+        shared = prefix_to_share([examples[i].prompt_ids + examples[i].completion_ids for i in batch])
+        for layout, total in totals.items():
+            for part, flops in step_flops(lengths, learned, shape, layout, ATTENTION_GROUP, shared).items():
+                total[part] = total.get(part, 0) + flops
+    tamer, trl = totals["packed"], totals["padded"]
+    return {"work_ratio": round(trl["total"] / tamer["total"], 3),
+            "work_parts_trl_over_tamer": {k: round(trl[k] / tamer[k], 3) for k in ("linear", "attention", "head")},
+            "tamer_gflop_per_step": round(tamer["total"] / len(steps) / 1e9, 3),
+            "trl_gflop_per_step": round(trl["total"] / len(steps) / 1e9, 3)}
+
+
 # ---------------------------------------------------------------------------- parent
 def worker(kind: str, spec: dict) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
@@ -235,13 +298,17 @@ def compare(args, data: dict, tmp: Path) -> None:
     speedups = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(tamer, trl)]
     cpu_speedups = [a["tokens_per_cpu_s"] / b["tokens_per_cpu_s"] for a, b in zip(tamer, trl)]
     same_batches = [lay for lay in args.trl_layouts if lay != "packing"]
+    work = {}
+    if args.tamer_layouts[0] == "packed" and best == "padded":  # arithmetic of the timed steps' batches
+        work = work_ratio(base, range(args.warmup, args.steps))
+        work["speedup_per_work"] = round(statistics.median(speedups) / work["work_ratio"], 3)
     print(json.dumps({
         "mode": "sft_summary", "task": data["task"], "steps": args.steps, "warmup_steps": args.warmup,
         "batch_size": data["batch_size"], "tamer_layout": args.tamer_layouts[0], "trl_best_layout": best,
         "speedup_median": round(statistics.median(speedups), 3), "speedup_min": round(min(speedups), 3),
         "speedup_max": round(max(speedups), 3), "speedups": [round(s, 3) for s in speedups],
         "cpu_speedup_median": round(statistics.median(cpu_speedups), 3), "target": 1.5,
-        "target_met": min(speedups) >= 1.5,
+        "target_met": min(speedups) >= 1.5, **work,
         "loss_curve_vs_trl": {lay: curve_gap(tamer[0]["losses"], runs[f"trl:{lay}"][0]["losses"])
                               for lay in same_batches},
     }), flush=True)
@@ -257,6 +324,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trl-layouts", default=",".join(TRL_LAYOUTS), type=lambda s: s.split(","))
     parser.add_argument("--tamer-layouts", default=",".join(TAMER_LAYOUTS), type=lambda s: s.split(","))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override the demo preset (repeatable), e.g. agent.show_tools=true")
     parser.add_argument("--worker", choices=("tamer", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -264,7 +333,7 @@ def main() -> None:
         print(json.dumps((run_tamer if args.worker == "tamer" else run_trl)(json.loads(args.spec))), flush=True)
         return
     with tempfile.TemporaryDirectory(prefix="sft_vs_trl_") as tmp:
-        compare(args, prepare(args.task, Path(tmp), args.seed), Path(tmp))
+        compare(args, prepare(args.task, Path(tmp), args.seed, args.set), Path(tmp))
 
 
 if __name__ == "__main__":

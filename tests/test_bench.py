@@ -167,6 +167,29 @@ def test_summarize_cli_reports_missing_seeds(tmp_path):
     assert summary["steps_to_target"]["tamer"] == [10, 5] and summary["margin"] == 0.01
 
 
+def test_sft_step_flops_by_hand():
+    """hidden 4, 2 layers, MLP 8, 2 heads of 2, 1 KV head, vocab 10; sequences of 3 and 5 tokens, 4 learned.
+    Weights per token and layer: q/k/v 4·(2+2)·2 = 32, o 16, MLP 96."""
+    from sft_vs_trl import step_flops
+    shape = dict(hidden=4, layers=2, mlp=8, heads=2, kv_heads=1, head_dim=2, vocab=10)
+    packed = step_flops([5, 3], 4, shape, "packed", group=4)
+    # q/k/v of both layers on 8 tokens, o + MLP of layer 1 on 8 and of the last layer on the 4 learned
+    assert packed["linear"] == 6 * (2 * 8 * 32 + 8 * 112 + 4 * 112) == 11136
+    assert packed["head"] == 6 * 4 * 4 * 10
+    # one group of 2 rows padded to 5: per layer 2 x 7 x 5² x 2 (head dim) x 2 (heads)
+    assert packed["attention"] == 2 * (2 * 7 * 25 * 2 * 2) == 2800
+    assert packed["total"] == 11136 + 960 + 2800
+    padded = step_flops([5, 3], 4, shape, "padded")
+    assert padded == {"linear": 6 * 2 * 10 * 144, "attention": 2800, "head": 6 * 10 * 40, "total": 17280 + 2800 + 2400}
+    # groups of one sequence each: rows padded only to their own lengths
+    assert step_flops([5, 3], 4, shape, "packed", group=1)["attention"] == 2 * 7 * (25 + 9) * 2 * 2
+    # a 2-token prefix both sequences share: token-wise work on 6 tokens, attention rows unchanged
+    shared = step_flops([5, 3], 4, shape, "packed", group=4, shared=2)
+    assert shared["linear"] == 6 * (2 * 6 * 32 + 6 * 112 + 4 * 112) and shared["attention"] == 2800
+    with pytest.raises(ValueError, match="layout"):
+        step_flops([5], 1, shape, "packing")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install -e '.[bench]')")
 def test_sft_vs_trl_smoke(tmp_path):

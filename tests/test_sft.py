@@ -7,7 +7,7 @@ import torch
 
 from tamer.models import TinyModelConfig, build_tiny_model
 from tamer.trainers.common import OptimConfig
-from tamer.trainers.packed import pack, packed_loss
+from tamer.trainers.packed import pack, packed_loss, shared_prefix
 from tamer.trainers.sft import Example, SFTConfig, SFTTrainer, collate, sft_loss
 
 
@@ -32,18 +32,52 @@ def test_pack_by_hand():
     assert batch["lengths"].tolist() == [4, 5]
     assert batch["select"].tolist() == [0, 2, 6, 7]
     assert batch["targets"].tolist() == [8, 10, 4, 5]
+    assert batch["shared"] == 0
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_packed_loss_and_gradients_equal_padded(tokenizer, arch):
+def test_pack_shared_prefix_by_hand():
+    """Both sequences start with 1 2: packed once, gathered into both attention rows, learned targets kept."""
+    a = Example([1, 2, 3], [4, 5], None)  # 1 2 3 4 5: learns 4 (after 3), 5 (after 4)
+    b = Example([1, 2], [6, 7], [1, 0])  # 1 2 6 7: learns 6 (after 2); 7 is tool output
+    batch = pack([a, b], share_prefix=True)
+    assert batch["shared"] == 2
+    # prefix 1 2, then b's own tokens (shorter first) 6 7, then a's 3 4 5
+    assert batch["input_ids"].tolist() == [1, 2, 6, 7, 3, 4, 5]
+    assert batch["positions"].tolist() == [0, 1, 2, 3, 2, 3, 4]
+    assert batch["select"].tolist() == [1, 4, 5]  # b: after 2 (shared index 1); a: after 3 (4), after 4 (5)
+    assert batch["targets"].tolist() == [6, 4, 5]
+    ((rows, width, source, slot, take),) = batch["groups"]
+    assert (rows, width) == (2, 5)
+    assert source.tolist() == [0, 1, 2, 3, 0, 1, 4, 5, 6]  # row b then row a, the prefix in both
+    assert slot.tolist() == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    assert take.tolist() == [0, 1, 2, 3, 7, 8, 9]  # the prefix from row b, then b's and a's own tokens
+    assert pack([a, b], share_prefix=False)["input_ids"].tolist() == [1, 2, 6, 7, 1, 2, 3, 4, 5]
+    # a sequence keeps at least one token of its own; one sequence shares nothing
+    assert pack([a, Example([1, 2, 3], [4], None)])["shared"] == 3 and pack([a])["shared"] == 0
+    # a prefix saving under MIN_SHARED_FRACTION of the tokens is not worth its gathers: 1 of 22 tokens
+    long = Example([1, 2, 3], list(range(20, 37)), None)
+    assert shared_prefix([[1, 2, 3, 4], [1, 5]]) == 1 and pack([long, Example([1], [9], None)])["shared"] == 0
+
+
+def _with_system_prompt(examples: list[Example], length: int = 17) -> list[Example]:
+    system = list(range(210, 210 + length))
+    return [Example(system + e.prompt_ids, e.completion_ids, e.completion_mask) for e in examples]
+
+
+@pytest.mark.parametrize("arch,system", [("qwen2", 0), ("llama", 0), ("qwen2", 17), ("llama", 17)])
+def test_packed_loss_and_gradients_equal_padded(tokenizer, arch, system):
+    """`system`: every example starts with the same tokens (a system prompt), packed once."""
     model = build_tiny_model(tokenizer, TinyModelConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=4,
                                                         num_kv_heads=2, intermediate_size=128,
                                                         tie_word_embeddings=arch == "qwen2")).train()
-    examples = _examples()
+    examples = _with_system_prompt(_examples(), system) if system else _examples()
     params = list(model.parameters())
     padded = sft_loss(model, collate(examples, tokenizer.pad_token_id))
     g_padded = torch.autograd.grad(padded, params)
-    packed = packed_loss(model, pack(examples))
+    batch = pack(examples)
+    assert batch["shared"] == system and len(batch["input_ids"]) == sum(
+        len(e.prompt_ids) + len(e.completion_ids) for e in examples) - system * (len(examples) - 1)
+    packed = packed_loss(model, batch)
     g_packed = torch.autograd.grad(packed, params)
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
     for a, b in zip(g_packed, g_padded):
@@ -52,21 +86,23 @@ def test_packed_loss_and_gradients_equal_padded(tokenizer, arch):
 
 def test_trainer_padding_free_follows_the_padded_run(tokenizer):
     """Three optimizer steps from the same init and data order: the same losses and weights either way."""
-    data = _examples(12, seed=1)
+    data = _with_system_prompt(_examples(12, seed=1))
     results = []
-    for padding_free in (True, False):
+    for padding_free, share_prefix in ((True, True), (True, False), (False, False)):
         model = build_tiny_model(tokenizer, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                                                             intermediate_size=64))
         trainer = SFTTrainer(model, tokenizer, data, SFTConfig(steps=3, batch_size=5, log_every=1,
-                                                               padding_free=padding_free, optim=OptimConfig(lr=1e-3)))
+                                                               padding_free=padding_free, share_prefix=share_prefix,
+                                                               optim=OptimConfig(lr=1e-3)))
         assert (trainer.fast is not None) == padding_free
         losses = []
         trainer.train(type("T", (), {"log": lambda self, m, step, losses=losses: losses.append(m["sft/loss"])})())
         results.append((losses, torch.cat([p.detach().flatten() for p in model.parameters()])))
-    (loss_a, w_a), (loss_b, w_b) = results
+    (loss_a, w_a), *others = results
     assert len(loss_a) == 3
-    torch.testing.assert_close(torch.tensor(loss_a), torch.tensor(loss_b), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(w_a, w_b, atol=1e-5, rtol=1e-4)
+    for loss_b, w_b in others:
+        torch.testing.assert_close(torch.tensor(loss_a), torch.tensor(loss_b), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(w_a, w_b, atol=1e-5, rtol=1e-4)
 
 
 def test_unsupported_model_trains_padded(tokenizer):

@@ -5,16 +5,21 @@
 
 `pack` concatenates the examples' tokens (N in all, shortest sequence first) with RoPE
 positions reset at every sequence start, and lists the M positions whose next token is learned
-with those tokens as targets. `packed_loss` runs every token-wise part of the model (embedding,
-norms, q/k/v, output and MLP projections) on the N real tokens only; attention alone is laid
-out as rows, right-padded, with a causal kernel: a right-padded row's real queries only ever
-see its own earlier (real) keys, so no mask is needed and nothing crosses sequences. Rows go
-to the attention kernel in groups of `ATTENTION_GROUP` sequences of similar length, each group
-padded to its own longest (measured: ~25% less attention time than one (B, T_max) call for the
-trip planner's batches of 16 sequences of 230-500 tokens). The
-last layer keeps only the M selected positions after its attention (the rest of the network
-is token-wise), and logits and the log-softmax are taken at those M positions only. The loss
-and its gradient equal the padded computation's up to float rounding (tests/test_sft.py).
+with those tokens as targets. When every sequence of the batch starts with the same K tokens
+(a system prompt, the tool schemas an agent prompt renders), those K tokens are packed once:
+causal attention makes their activations the same in every sequence, so the shared prefix's
+token-wise work is done once instead of B times and its gradient is the sum over the sequences
+that attend to it (autograd sums the repeated gathers). `packed_loss` runs every token-wise
+part of the model (embedding, norms, q/k/v, output and MLP projections) on the packed tokens
+only; attention alone is laid out as rows, each sequence whole (the shared prefix gathered into
+every row), right-padded, with a causal kernel: a right-padded row's real queries only ever see
+its own earlier (real) keys, so no mask is needed and nothing crosses sequences. Rows go to the
+attention kernel in groups of `ATTENTION_GROUP` sequences of similar length, each group padded
+to its own longest (measured: ~25% less attention time than one (B, T_max) call for the trip
+planner's batches of 16 sequences of 230-500 tokens). The last layer keeps only the M selected
+positions after its attention (the rest of the network is token-wise), and logits and the
+log-softmax are taken at those M positions only. The loss and its gradient equal the padded
+computation's up to float rounding (tests/test_sft.py).
 
 Models the lean forward does not support (`FastDecoder.for_model` is None) take the padded HF
 path in `trainers/sft.py`.
@@ -29,31 +34,74 @@ from tamer.models.fast_arch import activate, softcap
 from tamer.models.fast_forward import FastDecoder, linear
 
 ATTENTION_GROUP = 4  # sequences per attention call (sorted by length, so each group pads little)
+# A shared prefix is packed once only when that removes at least this share of the batch's tokens: the
+# gathers it needs in attention cost more than a few tokens save (trip planner batches sharing ~2% of
+# their tokens trained ~13% slower shared; tool schemas, ~80% of the tokens, 1.6x faster; docs/performance.md).
+MIN_SHARED_FRACTION = 0.1
 
 
-def pack(examples: list, pad_id: int = 0) -> dict[str, torch.Tensor]:
+def shared_prefix(sequences: list[list[int]]) -> int:
+    """Length of the token prefix common to all `sequences`, leaving every sequence at least one token of its own."""
+    if len(sequences) < 2:
+        return 0
+    first, limit = sequences[0], min(len(s) for s in sequences) - 1
+    k = 0
+    while k < limit and all(s[k] == first[k] for s in sequences):
+        k += 1
+    return k
+
+
+def prefix_to_share(sequences: list[list[int]]) -> int:
+    """`shared_prefix` where packing it once saves at least MIN_SHARED_FRACTION of the tokens, else 0."""
+    k = shared_prefix(sequences)
+    return k if k * (len(sequences) - 1) >= MIN_SHARED_FRACTION * sum(len(s) for s in sequences) else 0
+
+
+def pack(examples: list, pad_id: int = 0, share_prefix: bool = True) -> dict:
     """Concatenate `examples` (prompt_ids, completion_ids, completion_mask) into one padding-free batch.
 
-    Sequences go shortest first (the loss, a mean over learned tokens, does not depend on order).
-    Returns input_ids (N,), positions (N,) restarting at 0 per sequence, lengths (B,), select (M,):
-    the packed index of every position whose next token is learned, and targets (M,): those tokens.
+    Sequences go shortest first (the loss, a mean over learned tokens, does not depend on order);
+    with `share_prefix` the tokens all sequences start with come once, first (`prefix_to_share`). Returns tensors
+    input_ids (N,), positions (N,) (RoPE positions within each sequence), lengths (B,), select
+    (M,): the packed index of every position whose next token is learned (a shared position may
+    appear once per sequence), targets (M,): those tokens; `shared`: the shared prefix length;
+    `groups`: the attention layout, per group of ATTENTION_GROUP sequences (rows, width, source
+    (the packed tokens of its rows, in row order), slot (their places in a (rows, width)
+    layout), take (the places of the packed tokens this group's output provides, in packed order)).
     """
-    ids, positions, lengths, select, targets = [], [], [], [], []
-    offset = 0
-    for e in sorted(examples, key=lambda e: len(e.prompt_ids) + len(e.completion_ids)):
-        seq = e.prompt_ids + e.completion_ids
-        learned = [0] * len(e.prompt_ids) + list(e.completion_mask or [1] * len(e.completion_ids))
-        ids.extend(seq)
-        positions.extend(range(len(seq)))
-        lengths.append(len(seq))
+    rows = sorted(((e.prompt_ids + e.completion_ids,
+                    [0] * len(e.prompt_ids) + list(e.completion_mask or [1] * len(e.completion_ids)))
+                   for e in examples), key=lambda r: len(r[0]))
+    k = prefix_to_share([seq for seq, _ in rows]) if share_prefix else 0
+    ids, positions, starts = list(rows[0][0][:k]), list(range(k)), []
+    for seq, _ in rows:  # each sequence's own tokens, after the shared prefix
+        starts.append(len(ids) - k)  # packed index of (sequence, position p >= k) = start + p
+        ids.extend(seq[k:])
+        positions.extend(range(k, len(seq)))
+    where = lambda i, p: p if p < k else starts[i] + p  # noqa: E731
+    select, targets = [], []
+    for i, (seq, learned) in enumerate(rows):
         for t in range(1, len(seq)):
             if learned[t]:
-                select.append(offset + t - 1)
+                select.append(where(i, t - 1))
                 targets.append(seq[t])
-        offset += len(seq)
     as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
-    return {"input_ids": as_long(ids), "positions": as_long(positions), "lengths": as_long(lengths),
-            "select": as_long(select), "targets": as_long(targets)}
+    groups = []
+    for first in range(0, len(rows), ATTENTION_GROUP):
+        members = range(first, min(first + ATTENTION_GROUP, len(rows)))
+        lengths = [len(rows[i][0]) for i in members]
+        width = max(lengths)
+        slot = [r * width + p for r, n in enumerate(lengths) for p in range(n)]
+        if k == 0:  # the group's tokens are one contiguous run of the packed row, in row order
+            source, take = slice(starts[first], starts[members[-1]] + lengths[-1]), as_long(slot)
+        else:
+            source = as_long([where(i, p) for i in members for p in range(len(rows[i][0]))])
+            take = as_long(list(range(k)) * (first == 0)  # the prefix's output from the first row
+                           + [r * width + p for r, n in enumerate(lengths) for p in range(k, n)])
+        groups.append((len(lengths), width, source, as_long(slot), take))
+    return {"input_ids": as_long(ids), "positions": as_long(positions),
+            "lengths": as_long([len(seq) for seq, _ in rows]), "select": as_long(select),
+            "targets": as_long(targets), "shared": k, "groups": groups}
 
 
 def packable(fast: FastDecoder | None) -> bool:
@@ -61,12 +109,12 @@ def packable(fast: FastDecoder | None) -> bool:
     return fast is not None and all(w is None for w in fast.arch.windows) and fast.arch.attn_softcap is None
 
 
-def packed_logits(fast: FastDecoder, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def packed_logits(fast: FastDecoder, batch: dict) -> torch.Tensor:
     """Logits (M, V) at `batch["select"]` with the live weights (autograd records them)."""
-    ids, positions, lengths, select = (batch[k] for k in ("input_ids", "positions", "lengths", "select"))
     device = fast.model.model.embed_tokens.weight.device
-    ids, positions, lengths, select = ids.to(device), positions.to(device), lengths.to(device), select.to(device)
-    groups = _attention_groups(lengths.tolist(), positions)
+    ids, positions, lengths, select = (batch[k].to(device) for k in ("input_ids", "positions", "lengths", "select"))
+    to = lambda t: t if isinstance(t, slice) else t.to(device)  # noqa: E731
+    groups = [(rows, width, to(source), to(slot), to(take)) for rows, width, source, slot, take in batch["groups"]]
     d, heads = fast.head_dim, fast.num_heads
     x = fast._embed(ids, fast.model.model.embed_tokens.weight)  # (N, hidden)
     cs = fast._rope_tables(positions, device, size=int(lengths.max())).to(x.dtype)  # (N, 2, D)
@@ -87,31 +135,18 @@ def packed_logits(fast: FastDecoder, batch: dict[str, torch.Tensor]) -> torch.Te
     return softcap(linear(x, fast.model.get_output_embeddings().weight), fast.arch.final_softcap)
 
 
-def _attention_groups(lengths: list[int], positions: torch.Tensor) -> list[tuple[int, int, int, int, torch.Tensor]]:
-    """(first token, end token, rows, width, slot (n,)) per group of ATTENTION_GROUP consecutive sequences;
-    slot = row * width + position places each of the group's tokens in its (rows, width) layout."""
-    groups, start = [], 0
-    for first in range(0, len(lengths), ATTENTION_GROUP):
-        part = lengths[first:first + ATTENTION_GROUP]
-        end, width = start + sum(part), max(part)
-        row = torch.repeat_interleave(torch.arange(len(part), device=positions.device),
-                                      torch.tensor(part, device=positions.device))
-        groups.append((start, end, len(part), width, row * width + positions[start:end]))
-        start = end
-    return groups
-
-
 def _group_attention(fast: FastDecoder, q, k, v, group) -> torch.Tensor:
-    """Causal attention of one group's tokens (q (N, H, D), k/v (N, H_kv, D) sliced to the group) -> (n, H·D)."""
-    start, end, rows, width, slot = group
-    padded = [t[start:end].new_zeros(rows * width, t.shape[1], t.shape[2]).index_copy(0, slot, t[start:end])
+    """Causal attention of one group's rows (q (N, H, D), k/v (N, H_kv, D) packed) -> (n, H·D) for the packed
+    tokens the group provides, in packed order."""
+    rows, width, source, slot, take = group
+    padded = [t.new_zeros(rows * width, t.shape[1], t.shape[2]).index_copy(0, slot, t[source])
               .view(rows, width, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v)]  # (b, H, T, D)
     out = F.scaled_dot_product_attention(*padded, is_causal=True, scale=fast.scaling,
                                          enable_gqa=fast.num_heads != fast.num_kv)
-    return out.transpose(1, 2).reshape(rows * width, -1).index_select(0, slot)
+    return out.transpose(1, 2).reshape(rows * width, -1).index_select(0, take)
 
 
-def packed_loss(model, batch: dict[str, torch.Tensor], fast: FastDecoder | None = None) -> torch.Tensor:
+def packed_loss(model, batch: dict, fast: FastDecoder | None = None) -> torch.Tensor:
     """Mean cross-entropy over the learned tokens of a `pack`ed batch (`model` must take the lean forward)."""
     fast = fast or FastDecoder.for_model(model)
     if not packable(fast):

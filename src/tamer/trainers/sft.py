@@ -49,6 +49,7 @@ class SFTConfig:
     log_every: int = 25  # steps between logged (averaged) losses
     seed: int = 0  # order of the demonstrations
     padding_free: bool = True  # packed batches on the lean forward where supported; False: padded HF forward
+    share_prefix: bool = True  # packed batches: the tokens every sequence starts with (system prompt) packed once
     checkpoint_every: int = 0  # steps between checkpoints in OUTPUT_DIR/sft/checkpoints; 0: none
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
 
@@ -163,7 +164,7 @@ class SFTTrainer:
     def loss(self, examples: list[Example]) -> torch.Tensor:
         """Mean cross-entropy over the learned tokens of `examples` (packed or padded, the same value)."""
         if self.fast is not None:
-            return packed_loss(self.model, pack(examples), self.fast)
+            return packed_loss(self.model, pack(examples, share_prefix=self.config.share_prefix), self.fast)
         return sft_loss(self.model, collate(examples, self.tokenizer.pad_token_id))
 
     def train(self, tracker=None) -> float:
