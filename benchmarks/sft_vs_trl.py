@@ -243,10 +243,11 @@ def work_ratio(spec: dict, steps: range) -> dict:
     from tamer.trainers.packed import ATTENTION_GROUP, prefix_to_share
     examples, shape = _examples(spec), model_shape(spec["model"])
     totals = {"packed": {}, "padded": {}}
-    for batch in (_order(dict(spec, steps=steps.stop), examples)[i] for i in steps):
-        lengths = [len(examples[i].prompt_ids) + len(examples[i].completion_ids) for i in batch]
+    for batch in _order(dict(spec, steps=steps.stop), examples)[steps.start:]:
+        sequences = [examples[i].prompt_ids + examples[i].completion_ids for i in batch]
+        lengths = [len(s) for s in sequences]
         learned = sum(sum(examples[i].completion_mask or [1] * len(examples[i].completion_ids)) for i in batch)
-        shared = prefix_to_share([examples[i].prompt_ids + examples[i].completion_ids for i in batch])
+        shared = prefix_to_share(sequences)
         for layout, total in totals.items():
             for part, flops in step_flops(lengths, learned, shape, layout, ATTENTION_GROUP, shared).items():
                 total[part] = total.get(part, 0) + flops

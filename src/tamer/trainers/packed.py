@@ -35,7 +35,7 @@ from tamer.models.fast_forward import FastDecoder, linear
 
 ATTENTION_GROUP = 4  # sequences per attention call (sorted by length, so each group pads little)
 # A shared prefix is packed once only when that removes at least this share of the batch's tokens: the
-# gathers it needs in attention cost more than a few tokens save (trip planner batches sharing ~2% of
+# gathers it needs in attention cost more than a few tokens save (trip planner batches sharing 1.2% of
 # their tokens trained ~13% slower shared; tool schemas, ~80% of the tokens, 1.6x faster; docs/performance.md).
 MIN_SHARED_FRACTION = 0.1
 
@@ -91,14 +91,14 @@ def pack(examples: list, pad_id: int = 0, share_prefix: bool = True) -> dict:
         members = range(first, min(first + ATTENTION_GROUP, len(rows)))
         lengths = [len(rows[i][0]) for i in members]
         width = max(lengths)
-        slot = [r * width + p for r, n in enumerate(lengths) for p in range(n)]
+        slot = as_long([r * width + p for r, n in enumerate(lengths) for p in range(n)])
         if k == 0:  # the group's tokens are one contiguous run of the packed row, in row order
-            source, take = slice(starts[first], starts[members[-1]] + lengths[-1]), as_long(slot)
+            source, take = slice(starts[first], starts[members[-1]] + lengths[-1]), slot
         else:
             source = as_long([where(i, p) for i in members for p in range(len(rows[i][0]))])
             take = as_long(list(range(k)) * (first == 0)  # the prefix's output from the first row
                            + [r * width + p for r, n in enumerate(lengths) for p in range(k, n)])
-        groups.append((len(lengths), width, source, as_long(slot), take))
+        groups.append((len(lengths), width, source, slot, take))
     return {"input_ids": as_long(ids), "positions": as_long(positions),
             "lengths": as_long([len(seq) for seq, _ in rows]), "select": as_long(select),
             "targets": as_long(targets), "shared": k, "groups": groups}
