@@ -205,7 +205,7 @@ def model_shape(model_dir: str) -> dict:
             "head_dim": c.get("head_dim") or c["hidden_size"] // heads, "vocab": c["vocab_size"]}
 
 
-def step_flops(lengths: list[int], learned: int, shape: dict, layout: str, group: int = 4, shared: int = 0) -> dict:
+def step_flops(lengths: list[int], learned: int, shape: dict, layout: str, budget: int = 4096, shared: int = 0) -> dict:
     """Model FLOPs of one SFT step (forward + backward) over sequences of `lengths` with `learned` learned tokens.
 
     Matmuls: 6 FLOPs per weight per token (forward 2, input and weight gradients 4). Attention:
@@ -213,8 +213,8 @@ def step_flops(lengths: list[int], learned: int, shape: dict, layout: str, group
     the flash backward 5·W²·D), counted with the upper triangle skipped for both layouts (TRL's
     masked kernel may do more). `packed` (tamer): every layer's q/k/v on the N packed tokens (a
     prefix of `shared` tokens all sequences start with counted once), the rest of the last layer
-    and the head on the learned positions only, attention in groups of `group` length-sorted
-    sequences each padded to its longest, every row whole (`trainers/packed.py`). `padded`
+    and the head on the learned positions only, attention in groups of length-sorted sequences of
+    at most `budget` padded tokens each (`attention_groups`), every row whole (`trainers/packed.py`). `padded`
     (TRL, tamer's HF path): every token-wise op and the head on B x T_max positions, one row per
     sequence. Norms, RoPE, activations and the loss are left out (no matmul).
     """
@@ -222,9 +222,10 @@ def step_flops(lengths: list[int], learned: int, shape: dict, layout: str, group
     qkv, o, mlp = h * (heads + 2 * shape["kv_heads"]) * d, heads * d * h, 3 * h * shape["mlp"]
     row_attention = lambda width: 7 * width * width * d * heads  # noqa: E731
     if layout == "packed":
+        from tamer.trainers.packed import attention_groups
         n, ordered = sum(lengths) - shared * (len(lengths) - 1), sorted(lengths)
-        widths = [max(ordered[i:i + group]) for i in range(0, len(ordered), group)]
-        rows = [len(ordered[i:i + group]) for i in range(0, len(ordered), group)]
+        groups = attention_groups(ordered, budget)
+        widths, rows = [ordered[g[-1]] for g in groups], [len(g) for g in groups]
         linear = 6 * (layers * n * qkv + (layers - 1) * n * (o + mlp) + learned * (o + mlp))
         attention = layers * sum(r * row_attention(w) for r, w in zip(rows, widths))
         head = 6 * learned * h * shape["vocab"]
@@ -240,7 +241,7 @@ def step_flops(lengths: list[int], learned: int, shape: dict, layout: str, group
 
 def work_ratio(spec: dict, steps: range) -> dict:
     """TRL padded's model FLOPs / tamer packed's over the batches of `steps` (the same batches both see)."""
-    from tamer.trainers.packed import ATTENTION_GROUP, prefix_to_share
+    from tamer.trainers.packed import ATTENTION_TOKENS, prefix_to_share
     examples, shape = _examples(spec), model_shape(spec["model"])
     totals = {"packed": {}, "padded": {}}
     for batch in _order(dict(spec, steps=steps.stop), examples)[steps.start:]:
@@ -249,7 +250,7 @@ def work_ratio(spec: dict, steps: range) -> dict:
         learned = sum(sum(examples[i].completion_mask or [1] * len(examples[i].completion_ids)) for i in batch)
         shared = prefix_to_share(sequences)
         for layout, total in totals.items():
-            for part, flops in step_flops(lengths, learned, shape, layout, ATTENTION_GROUP, shared).items():
+            for part, flops in step_flops(lengths, learned, shape, layout, ATTENTION_TOKENS, shared).items():
                 total[part] = total.get(part, 0) + flops
     tamer, trl = totals["packed"], totals["padded"]
     return {"work_ratio": round(trl["total"] / tamer["total"], 3),

@@ -172,7 +172,7 @@ def test_sft_step_flops_by_hand():
     Weights per token and layer: q/k/v 4·(2+2)·2 = 32, o 16, MLP 96."""
     from sft_vs_trl import step_flops
     shape = dict(hidden=4, layers=2, mlp=8, heads=2, kv_heads=1, head_dim=2, vocab=10)
-    packed = step_flops([5, 3], 4, shape, "packed", group=4)
+    packed = step_flops([5, 3], 4, shape, "packed", budget=16)
     # q/k/v of both layers on 8 tokens, o + MLP of layer 1 on 8 and of the last layer on the 4 learned
     assert packed["linear"] == 6 * (2 * 8 * 32 + 8 * 112 + 4 * 112) == 11136
     assert packed["head"] == 6 * 4 * 4 * 10
@@ -181,10 +181,10 @@ def test_sft_step_flops_by_hand():
     assert packed["total"] == 11136 + 960 + 2800
     padded = step_flops([5, 3], 4, shape, "padded")
     assert padded == {"linear": 6 * 2 * 10 * 144, "attention": 2800, "head": 6 * 10 * 40, "total": 17280 + 2800 + 2400}
-    # groups of one sequence each: rows padded only to their own lengths
-    assert step_flops([5, 3], 4, shape, "packed", group=1)["attention"] == 2 * 7 * (25 + 9) * 2 * 2
+    # a budget of 5 padded tokens: groups of one sequence each, rows padded only to their own lengths
+    assert step_flops([5, 3], 4, shape, "packed", budget=5)["attention"] == 2 * 7 * (25 + 9) * 2 * 2
     # a 2-token prefix both sequences share: token-wise work on 6 tokens, attention rows unchanged
-    shared = step_flops([5, 3], 4, shape, "packed", group=4, shared=2)
+    shared = step_flops([5, 3], 4, shape, "packed", budget=16, shared=2)
     assert shared["linear"] == 6 * (2 * 6 * 32 + 6 * 112 + 4 * 112) and shared["attention"] == 2800
     with pytest.raises(ValueError, match="layout"):
         step_flops([5], 1, shape, "packing")
@@ -208,3 +208,18 @@ def test_sft_vs_trl_smoke(tmp_path):
     assert summary["loss_curve_vs_trl"]["padded"]["max_abs_loss_diff"] < 1e-3
     for key in ("speedup_median", "speedup_min", "speedup_max", "target_met", "trl_best_layout"):
         assert key in summary
+
+
+@pytest.mark.slow
+def test_sft_attention_groups_smoke(tmp_path):
+    """The budget A/B runs both budgets on the same batches and reports their groups and ratios."""
+    import json
+    import subprocess
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sft_attention_groups.py"), "--task", "arithmetic",
+                          "--budgets", "180,4096", "--reps", "2", "--steps", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    small, large = row["budgets"]["180"], row["budgets"]["4096"]
+    assert small["groups_per_layer"] > large["groups_per_layer"] == 1  # 32 sequences of ~45 tokens: one call
+    assert small["ratio_to_first_median"] == 1.0 and large["s_per_step"] > 0 and row["rounds"] == 2

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from tamer.models import TinyModelConfig, build_tiny_model
+from tamer.trainers import packed as packed_module
 from tamer.trainers.common import OptimConfig
-from tamer.trainers.packed import pack, packed_loss, shared_prefix
+from tamer.trainers.packed import attention_groups, pack, packed_loss, shared_prefix
 from tamer.trainers.sft import Example, SFTConfig, SFTTrainer, collate, sft_loss
 
 
@@ -33,6 +34,16 @@ def test_pack_by_hand():
     assert batch["select"].tolist() == [0, 2, 6, 7]
     assert batch["targets"].tolist() == [8, 10, 4, 5]
     assert batch["shared"] == 0
+
+
+def test_attention_groups_by_hand():
+    """Consecutive groups of at most `budget` padded tokens (rows x the group's longest, lengths ascending)."""
+    # 2 x 4 = 8 fits 12; 3 x 5 = 15 does not; 2 x 10 = 20 does not: 10 goes alone
+    assert attention_groups([3, 4, 5, 10], budget=12) == [range(0, 2), range(2, 3), range(3, 4)]
+    assert attention_groups([20], budget=12) == [range(0, 1)]  # longer than the budget: a group of its own
+    assert attention_groups([44] * 32, budget=1024) == [range(0, 23), range(23, 32)]
+    assert attention_groups([240] * 16, budget=1024) == [range(i, i + 4) for i in range(0, 16, 4)]
+    assert attention_groups([]) == []
 
 
 def test_pack_shared_prefix_by_hand():
@@ -64,9 +75,12 @@ def _with_system_prompt(examples: list[Example], length: int = 17) -> list[Examp
     return [Example(system + e.prompt_ids, e.completion_ids, e.completion_mask) for e in examples]
 
 
-@pytest.mark.parametrize("arch,system", [("qwen2", 0), ("llama", 0), ("qwen2", 17), ("llama", 17)])
-def test_packed_loss_and_gradients_equal_padded(tokenizer, arch, system):
-    """`system`: every example starts with the same tokens (a system prompt), packed once."""
+@pytest.mark.parametrize("arch,system,budget", [("qwen2", 0, 1024), ("llama", 0, 64), ("qwen2", 17, 64),
+                                                ("llama", 17, 1024)])
+def test_packed_loss_and_gradients_equal_padded(tokenizer, arch, system, budget, monkeypatch):
+    """`system`: every example starts with the same tokens (a system prompt), packed once; `budget`: padded
+    tokens per attention group (64: several groups, 1024: one)."""
+    monkeypatch.setattr(packed_module, "ATTENTION_TOKENS", budget)
     model = build_tiny_model(tokenizer, TinyModelConfig(arch=arch, hidden_size=64, num_layers=2, num_heads=4,
                                                         num_kv_heads=2, intermediate_size=128,
                                                         tie_word_embeddings=arch == "qwen2")).train()
@@ -77,6 +91,7 @@ def test_packed_loss_and_gradients_equal_padded(tokenizer, arch, system):
     batch = pack(examples)
     assert batch["shared"] == system and len(batch["input_ids"]) == sum(
         len(e.prompt_ids) + len(e.completion_ids) for e in examples) - system * (len(examples) - 1)
+    assert (len(batch["groups"]) > 1) == (budget == 64)
     packed = packed_loss(model, batch)
     g_packed = torch.autograd.grad(packed, params)
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)

@@ -14,11 +14,14 @@ part of the model (embedding, norms, q/k/v, output and MLP projections) on the p
 only; attention alone is laid out as rows, each sequence whole (the shared prefix gathered into
 every row), right-padded, with a causal kernel: a right-padded row's real queries only ever see
 its own earlier (real) keys, so no mask is needed and nothing crosses sequences. Rows go to the
-attention kernel in groups of `ATTENTION_GROUP` sequences of similar length, each group padded
-to its own longest (measured: ~25% less attention time than one (B, T_max) call for the trip
-planner's batches of 16 sequences of 230-500 tokens). The last layer keeps only the M selected
-positions after its attention (the rest of the network is token-wise), and logits and the
-log-softmax are taken at those M positions only. The loss and its gradient equal the padded
+attention kernel in groups of sequences of similar length, each padded to its own longest and
+holding at most `ATTENTION_TOKENS` padded tokens (`attention_groups`): few calls for many short
+sequences, little padding for long ones (measured, `benchmarks/sft_attention_groups.py`: the
+arithmetic preset's 32 sequences of ~45 tokens train 7% faster per step in one call than in 8
+groups of 4; fewer, larger calls were never slower at the trip planner's shapes;
+docs/performance.md). The last layer keeps only the M selected positions after its attention
+(the rest of the network is token-wise), and logits and the log-softmax are taken at those M
+positions only. The loss and its gradient equal the padded
 computation's up to float rounding (tests/test_sft.py).
 
 Models the lean forward does not support (`FastDecoder.for_model` is None) take the padded HF
@@ -33,7 +36,7 @@ import torch.nn.functional as F
 from tamer.models.fast_arch import activate, softcap
 from tamer.models.fast_forward import FastDecoder, linear
 
-ATTENTION_GROUP = 4  # sequences per attention call (sorted by length, so each group pads little)
+ATTENTION_TOKENS = 4096  # padded tokens per attention call (sequences sorted by length, so a group pads little)
 # A shared prefix is packed once only when that removes at least this share of the batch's tokens: the
 # gathers it needs in attention cost more than a few tokens save (trip planner batches sharing 1.2% of
 # their tokens trained ~13% slower shared; tool schemas, ~80% of the tokens, 1.6x faster; docs/performance.md).
@@ -57,6 +60,18 @@ def prefix_to_share(sequences: list[list[int]]) -> int:
     return k if k * (len(sequences) - 1) >= MIN_SHARED_FRACTION * sum(len(s) for s in sequences) else 0
 
 
+def attention_groups(lengths: list[int], budget: int | None = None) -> list[range]:
+    """Split sequences sorted by length (ascending) into consecutive groups of at most `budget` padded
+    tokens each (rows x the group's longest; a sequence longer than `budget` is a group of its own)."""
+    budget = ATTENTION_TOKENS if budget is None else budget
+    groups, first = [], 0
+    for i, n in enumerate(lengths):
+        if i > first and (i - first + 1) * n > budget:
+            groups.append(range(first, i))
+            first = i
+    return groups + [range(first, len(lengths))] if lengths else groups
+
+
 def pack(examples: list, pad_id: int = 0, share_prefix: bool = True) -> dict:
     """Concatenate `examples` (prompt_ids, completion_ids, completion_mask) into one padding-free batch.
 
@@ -65,7 +80,7 @@ def pack(examples: list, pad_id: int = 0, share_prefix: bool = True) -> dict:
     input_ids (N,), positions (N,) (RoPE positions within each sequence), lengths (B,), select
     (M,): the packed index of every position whose next token is learned (a shared position may
     appear once per sequence), targets (M,): those tokens; `shared`: the shared prefix length;
-    `groups`: the attention layout, per group of ATTENTION_GROUP sequences (rows, width, source
+    `groups`: the attention layout, per group of `attention_groups` (rows, width, source
     (the packed tokens of its rows, in row order), slot (their places in a (rows, width)
     layout), take (the places of the packed tokens this group's output provides, in packed order)).
     """
@@ -87,9 +102,8 @@ def pack(examples: list, pad_id: int = 0, share_prefix: bool = True) -> dict:
                 targets.append(seq[t])
     as_long = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
     groups = []
-    for first in range(0, len(rows), ATTENTION_GROUP):
-        members = range(first, min(first + ATTENTION_GROUP, len(rows)))
-        lengths = [len(rows[i][0]) for i in members]
+    for members in attention_groups([len(seq) for seq, _ in rows]):
+        first, lengths = members[0], [len(rows[i][0]) for i in members]
         width = max(lengths)
         slot = as_long([r * width + p for r, n in enumerate(lengths) for p in range(n)])
         if k == 0:  # the group's tokens are one contiguous run of the packed row, in row order
