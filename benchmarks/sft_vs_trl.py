@@ -4,6 +4,8 @@
     python benchmarks/sft_vs_trl.py                                   # trip planner demo data, 3 pairs
     python benchmarks/sft_vs_trl.py --task arithmetic --steps 10 --pairs 1   # a smoke run
     python benchmarks/sft_vs_trl.py --steps 300 --pairs 1             # the loss curves over 300 steps
+    python benchmarks/sft_vs_trl.py --steps 33 --warmup 3 --block-steps 5 --pairs 2 \
+        --trl-layouts padded --tamer-layouts packed                   # both alive, alternating 5-step blocks
 
 Both trainers start from the same saved model (the demo's tiny Qwen2 and its BPE tokenizer,
 built once), train on the same tokenized demonstrations (tamer's `demonstrations()` for the
@@ -21,6 +23,9 @@ Each (tamer, TRL layout) set runs `--pairs` times, interleaved, each run in its 
 one JSON object per layout and a summary line with the median tokens/s ratio tamer / best TRL
 and its range. Loss curves: per-step losses of every run, and the largest and mean absolute
 difference between tamer's and TRL's per-step losses where both see the same batches.
+With `--block-steps K` each pair is one tamer and one TRL process alive at once, running their
+timed steps in alternating blocks of K (the idle one waits on stdin); the summary adds a ratio
+per block (the same batches on both sides).
 """
 
 from __future__ import annotations
@@ -83,7 +88,18 @@ def _result(spec: dict, seconds: list[float], cpu: list[float], tokens: list[int
     return {"s_per_step": statistics.median(seconds[w:]), "cpu_s_per_step": statistics.median(cpu[w:]),
             "tokens_per_s": sum(tokens[w:]) / sum(seconds[w:]), "tokens_per_cpu_s": sum(tokens[w:]) / sum(cpu[w:]),
             "tokens_per_step": statistics.fmean(tokens), "losses": [round(x, 5) for x in losses],
-            "step_seconds": [round(s, 4) for s in seconds], **extra}
+            "step_seconds": [round(s, 6) for s in seconds], "step_tokens": tokens, **extra}
+
+
+def _pause(spec: dict, done: int) -> bool:
+    """Block mode (`spec["block_steps"]`): after the warm-up and after every block but the last, say so on
+    stdout and wait for the parent's go on stdin (the other trainer runs meanwhile). True if it paused."""
+    block, warmup = spec.get("block_steps"), spec["warmup_steps"]
+    if not block or done < warmup or done >= spec["steps"] or (done - warmup) % block:
+        return False
+    print(json.dumps({"ready": done}), flush=True)
+    sys.stdin.readline()
+    return True
 
 
 # ---------------------------------------------------------------------------- tamer worker
@@ -113,6 +129,7 @@ def run_tamer(spec: dict) -> dict:
         seconds.append(time.perf_counter() - start)
         cpu.append(time.process_time() - cpu_start)
         tokens.append(sum(len(e.prompt_ids) + len(e.completion_ids) for e in batch))
+        _pause(spec, len(seconds))
     return _result(spec, seconds, cpu, tokens, losses, threads=torch.get_num_threads(),
                    lean_forward=trainer.fast is not None)
 
@@ -179,6 +196,7 @@ def run_trl(spec: dict) -> dict:
         def on_step_end(self, *a, **k):
             seconds.append(time.perf_counter() - state["last"])
             cpu.append(time.process_time() - state["cpu"])
+            _pause(spec, len(seconds))
             state["last"], state["cpu"] = time.perf_counter(), time.process_time()
 
     inner = trainer.compute_loss
@@ -270,6 +288,53 @@ def worker(kind: str, spec: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def block_pair(specs: dict[str, dict], first: str) -> dict[str, dict]:
+    """Both trainers (`specs`: kind -> spec with `block_steps`) alive at once, running their timed steps in
+    alternating blocks, `first` first and then the order flipped every block (A B B A A B ...); only one
+    computes at a time (the other waits on its stdin). Returns each side's result."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    procs = {}
+    with tempfile.TemporaryFile("w+") as errors:
+        def wait_ready(kind: str) -> dict | None:  # the next {"ready": n}, or the final result
+            while line := procs[kind].stdout.readline():  # skips what else is printed (HF's log dicts)
+                try:
+                    message = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(message, dict) and ("ready" in message or "s_per_step" in message):
+                    return None if "ready" in message else message
+            errors.seek(0)
+            raise RuntimeError(f"{kind} worker ended early:\n{errors.read()[-4000:]}")
+
+        for kind, spec in specs.items():  # warm-ups one after the other
+            env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
+            procs[kind] = subprocess.Popen([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True,
+                                           env=env)
+            wait_ready(kind)
+        order, results = [first, *(k for k in specs if k != first)], {}
+        while len(results) < len(specs):
+            for kind in order:
+                procs[kind].stdin.write("go\n")
+                procs[kind].stdin.flush()
+                message = wait_ready(kind)
+                if message is not None:
+                    results[kind] = message
+            order.reverse()
+        for proc in procs.values():
+            proc.wait()
+    return results
+
+
+def block_speedups(tamer: dict, trl: dict, spec: dict) -> list[float]:
+    """tokens/s tamer / TRL per block of the timed steps (the same batches on both sides)."""
+    def rate(result: dict, part: slice) -> float:
+        return sum(result["step_tokens"][part]) / sum(result["step_seconds"][part])
+    parts = [slice(start, start + spec["block_steps"])
+             for start in range(spec["warmup_steps"], spec["steps"], spec["block_steps"])]
+    return [rate(tamer, part) / rate(trl, part) for part in parts]
+
+
 def curve_gap(a: list[float], b: list[float]) -> dict:
     diffs = [abs(x - y) for x, y in zip(a, b)]
     return {"max_abs_loss_diff": round(max(diffs), 5), "mean_abs_loss_diff": round(statistics.fmean(diffs), 5),
@@ -280,7 +345,15 @@ def compare(args, data: dict, tmp: Path) -> None:
     base = dict(data, threads=args.threads, steps=args.steps, warmup_steps=args.warmup, run_dir=str(tmp / "run"))
     runs: dict[str, list[dict]] = {}
     sides = [("tamer", layout) for layout in args.tamer_layouts] + [("trl", layout) for layout in args.trl_layouts]
+    blocks = []
     for pair in range(args.pairs):
+        if args.block_steps:  # one tamer and one TRL layout, alternating in blocks within each pair
+            specs = {kind: dict(base, layout=layout, block_steps=args.block_steps) for kind, layout in sides}
+            results = block_pair(specs, "tamer" if pair % 2 == 0 else "trl")
+            for kind, layout in sides:
+                runs.setdefault(f"{kind}:{layout}", []).append(results[kind])
+            blocks += block_speedups(results["tamer"], results["trl"], specs["tamer"])
+            continue
         for kind, layout in (sides if pair % 2 == 0 else sides[::-1]):
             runs.setdefault(f"{kind}:{layout}", []).append(worker(kind, dict(base, layout=layout)))
     for name, results in runs.items():
@@ -310,10 +383,19 @@ def compare(args, data: dict, tmp: Path) -> None:
         "speedup_median": round(statistics.median(speedups), 3), "speedup_min": round(min(speedups), 3),
         "speedup_max": round(max(speedups), 3), "speedups": [round(s, 3) for s in speedups],
         "cpu_speedup_median": round(statistics.median(cpu_speedups), 3), "target": 1.5,
-        "target_met": min(speedups) >= 1.5, **work,
+        "target_met": min(speedups) >= 1.5, **work, **_blocks_summary(args, blocks),
         "loss_curve_vs_trl": {lay: curve_gap(tamer[0]["losses"], runs[f"trl:{lay}"][0]["losses"])
                               for lay in same_batches},
     }), flush=True)
+
+
+def _blocks_summary(args, blocks: list[float]) -> dict:
+    if not blocks:
+        return {}
+    return {"block_steps": args.block_steps, "blocks": len(blocks),
+            "block_speedup_median": round(statistics.median(blocks), 3), "block_speedup_min": round(min(blocks), 3),
+            "block_speedup_max": round(max(blocks), 3), "block_speedups": [round(b, 3) for b in blocks],
+            "block_target_met": min(blocks) >= 1.5}
 
 
 def main() -> None:
@@ -328,9 +410,16 @@ def main() -> None:
     parser.add_argument("--tamer-layouts", default=",".join(TAMER_LAYOUTS), type=lambda s: s.split(","))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override the demo preset (repeatable), e.g. agent.show_tools=true")
+    parser.add_argument("--block-steps", type=int, default=0,
+                        help="both trainers alive at once, their timed steps alternated in blocks of this many "
+                             "steps (one tamer and one TRL layout); each block pair is a ratio")
     parser.add_argument("--worker", choices=("tamer", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.block_steps and (len(args.tamer_layouts) != 1 or len(args.trl_layouts) != 1
+                             or (args.steps - args.warmup) % args.block_steps):
+        parser.error("--block-steps: one --tamer-layouts and one --trl-layouts, and the timed steps "
+                     "(--steps minus --warmup) a multiple of it")
     if args.worker:
         print(json.dumps((run_tamer if args.worker == "tamer" else run_trl)(json.loads(args.spec))), flush=True)
         return

@@ -223,3 +223,24 @@ def test_sft_attention_groups_smoke(tmp_path):
     small, large = row["budgets"]["180"], row["budgets"]["4096"]
     assert small["groups_per_layer"] > large["groups_per_layer"] == 1  # 32 sequences of ~45 tokens: one call
     assert small["ratio_to_first_median"] == 1.0 and large["s_per_step"] > 0 and row["rounds"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install -e '.[bench]')")
+def test_sft_vs_trl_block_mode(tmp_path):
+    """--block-steps: both trainers alive, timed steps alternating in blocks; a ratio per block, same losses."""
+    import json
+    import subprocess
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sft_vs_trl.py"), "--task", "arithmetic",
+                          "--steps", "5", "--warmup", "1", "--block-steps", "2", "--pairs", "1", "--threads", "1",
+                          "--trl-layouts", "padded", "--tamer-layouts", "packed"],
+                         capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["blocks"] == 2 and len(summary["block_speedups"]) == 2 and summary["block_steps"] == 2
+    assert summary["block_speedup_min"] <= summary["block_speedup_median"] <= summary["block_speedup_max"]
+    assert summary["loss_curve_vs_trl"]["padded"]["max_abs_loss_diff"] < 1e-3
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sft_vs_trl.py"), "--steps", "6", "--warmup", "1",
+                          "--block-steps", "2", "--trl-layouts", "padded", "--tamer-layouts", "packed"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and "multiple" in bad.stderr  # 5 timed steps are not blocks of 2
