@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sft_vs_trl import _examples, prepare
+from sft_vs_trl import prepare, tamer_trainer
 
 
 def main() -> None:
@@ -44,21 +44,13 @@ def main() -> None:
 
     import torch
 
-    from tamer.models import load_model
     from tamer.trainers import packed
-    from tamer.trainers.common import OptimConfig, clip_and_step
-    from tamer.trainers.sft import SFTConfig, SFTTrainer
+    from tamer.trainers.common import clip_and_step
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         spec = prepare(args.task, Path(tmp), args.seed, args.set)
-        model, tokenizer = load_model(spec["model"])
-        examples = _examples(spec)
-    optim = OptimConfig(lr=spec["lr"], warmup_steps=spec["warmup"], schedule=spec["schedule"],
-                        min_lr_ratio=spec["min_lr_ratio"], max_grad_norm=spec["max_grad_norm"],
-                        weight_decay=spec["weight_decay"])
-    config = SFTConfig(steps=spec["schedule_steps"], batch_size=spec["batch_size"], optim=optim, seed=spec["data_seed"])
-    trainer = SFTTrainer(model, tokenizer, examples, config)
-    model.train()
+        model, trainer = tamer_trainer(spec)
+    optim = trainer.config.optim
     batches = [b for _, b in zip(range(args.steps), trainer.example_batches())]
 
     def run(budget: int, timed: list | None) -> None:

@@ -91,34 +91,39 @@ def _result(spec: dict, seconds: list[float], cpu: list[float], tokens: list[int
             "step_seconds": [round(s, 6) for s in seconds], "step_tokens": tokens, **extra}
 
 
-def _pause(spec: dict, done: int) -> bool:
+def _pause(spec: dict, done: int) -> None:
     """Block mode (`spec["block_steps"]`): after the warm-up and after every block but the last, say so on
-    stdout and wait for the parent's go on stdin (the other trainer runs meanwhile). True if it paused."""
+    stdout and wait for the parent's go on stdin (the other trainer runs meanwhile)."""
     block, warmup = spec.get("block_steps"), spec["warmup_steps"]
-    if not block or done < warmup or done >= spec["steps"] or (done - warmup) % block:
-        return False
-    print(json.dumps({"ready": done}), flush=True)
-    sys.stdin.readline()
-    return True
+    if block and warmup <= done < spec["steps"] and (done - warmup) % block == 0:
+        print(json.dumps({"ready": done}), flush=True)
+        sys.stdin.readline()
 
 
 # ---------------------------------------------------------------------------- tamer worker
-def run_tamer(spec: dict) -> dict:
-    import torch
-
+def tamer_trainer(spec: dict):
+    """(model in train mode, tamer's SFTTrainer) for `spec`; `spec["layout"]` (default packed) picks the path."""
     from tamer.models import load_model
-    from tamer.trainers.common import OptimConfig, clip_and_step
+    from tamer.trainers.common import OptimConfig
     from tamer.trainers.sft import SFTConfig, SFTTrainer
-    torch.set_num_threads(spec["threads"])
     model, tokenizer = load_model(spec["model"])
-    examples = _examples(spec)
     optim = OptimConfig(lr=spec["lr"], warmup_steps=spec["warmup"], schedule=spec["schedule"],
                         min_lr_ratio=spec["min_lr_ratio"], max_grad_norm=spec["max_grad_norm"],
                         weight_decay=spec["weight_decay"])
+    layout = spec.get("layout", "packed")
     config = SFTConfig(steps=spec["schedule_steps"], batch_size=spec["batch_size"], optim=optim, seed=spec["data_seed"],
-                       padding_free=spec["layout"] != "padded", share_prefix=spec["layout"] == "packed")
-    trainer = SFTTrainer(model, tokenizer, examples, config)
-    model.train()
+                       padding_free=layout != "padded", share_prefix=layout == "packed")
+    trainer = SFTTrainer(model, tokenizer, _examples(spec), config)
+    return model.train(), trainer
+
+
+def run_tamer(spec: dict) -> dict:
+    import torch
+
+    from tamer.trainers.common import clip_and_step
+    torch.set_num_threads(spec["threads"])
+    model, trainer = tamer_trainer(spec)
+    optim = trainer.config.optim
     seconds, cpu, tokens, losses = [], [], [], []
     for _, batch in zip(range(spec["steps"]), trainer.example_batches()):
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -223,7 +228,8 @@ def model_shape(model_dir: str) -> dict:
             "head_dim": c.get("head_dim") or c["hidden_size"] // heads, "vocab": c["vocab_size"]}
 
 
-def step_flops(lengths: list[int], learned: int, shape: dict, layout: str, budget: int = 4096, shared: int = 0) -> dict:
+def step_flops(lengths: list[int], learned: int, shape: dict, layout: str, budget: int | None = None,
+               shared: int = 0) -> dict:
     """Model FLOPs of one SFT step (forward + backward) over sequences of `lengths` with `learned` learned tokens.
 
     Matmuls: 6 FLOPs per weight per token (forward 2, input and weight gradients 4). Attention:
@@ -232,9 +238,9 @@ def step_flops(lengths: list[int], learned: int, shape: dict, layout: str, budge
     masked kernel may do more). `packed` (tamer): every layer's q/k/v on the N packed tokens (a
     prefix of `shared` tokens all sequences start with counted once), the rest of the last layer
     and the head on the learned positions only, attention in groups of length-sorted sequences of
-    at most `budget` padded tokens each (`attention_groups`), every row whole (`trainers/packed.py`). `padded`
-    (TRL, tamer's HF path): every token-wise op and the head on B x T_max positions, one row per
-    sequence. Norms, RoPE, activations and the loss are left out (no matmul).
+    at most `budget` padded tokens each (`attention_groups`; None: `ATTENTION_TOKENS`), every row
+    whole (`trainers/packed.py`). `padded` (TRL, tamer's HF path): every token-wise op and the head
+    on B x T_max positions, one row per sequence. Norms, RoPE, activations and the loss are left out (no matmul).
     """
     h, layers, d, heads = shape["hidden"], shape["layers"], shape["head_dim"], shape["heads"]
     qkv, o, mlp = h * (heads + 2 * shape["kv_heads"]) * d, heads * d * h, 3 * h * shape["mlp"]
@@ -259,7 +265,7 @@ def step_flops(lengths: list[int], learned: int, shape: dict, layout: str, budge
 
 def work_ratio(spec: dict, steps: range) -> dict:
     """TRL padded's model FLOPs / tamer packed's over the batches of `steps` (the same batches both see)."""
-    from tamer.trainers.packed import ATTENTION_TOKENS, prefix_to_share
+    from tamer.trainers.packed import prefix_to_share
     examples, shape = _examples(spec), model_shape(spec["model"])
     totals = {"packed": {}, "padded": {}}
     for batch in _order(dict(spec, steps=steps.stop), examples)[steps.start:]:
@@ -268,7 +274,7 @@ def work_ratio(spec: dict, steps: range) -> dict:
         learned = sum(sum(examples[i].completion_mask or [1] * len(examples[i].completion_ids)) for i in batch)
         shared = prefix_to_share(sequences)
         for layout, total in totals.items():
-            for part, flops in step_flops(lengths, learned, shape, layout, ATTENTION_TOKENS, shared).items():
+            for part, flops in step_flops(lengths, learned, shape, layout, shared=shared).items():
                 total[part] = total.get(part, 0) + flops
     tamer, trl = totals["packed"], totals["padded"]
     return {"work_ratio": round(trl["total"] / tamer["total"], 3),
@@ -278,11 +284,16 @@ def work_ratio(spec: dict, steps: range) -> dict:
 
 
 # ---------------------------------------------------------------------------- parent
-def worker(kind: str, spec: dict) -> dict:
+def _worker_command(kind: str, spec: dict) -> tuple[list[str], dict]:
+    """The command line and environment of one worker subprocess."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
-    proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)],
-                          capture_output=True, text=True, env=env)
+    return [sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)], env
+
+
+def worker(kind: str, spec: dict) -> dict:
+    command, env = _worker_command(kind, spec)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -292,7 +303,6 @@ def block_pair(specs: dict[str, dict], first: str) -> dict[str, dict]:
     """Both trainers (`specs`: kind -> spec with `block_steps`) alive at once, running their timed steps in
     alternating blocks, `first` first and then the order flipped every block (A B B A A B ...); only one
     computes at a time (the other waits on its stdin). Returns each side's result."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     procs = {}
     with tempfile.TemporaryFile("w+") as errors:
         def wait_ready(kind: str) -> dict | None:  # the next {"ready": n}, or the final result
@@ -307,10 +317,9 @@ def block_pair(specs: dict[str, dict], first: str) -> dict[str, dict]:
             raise RuntimeError(f"{kind} worker ended early:\n{errors.read()[-4000:]}")
 
         for kind, spec in specs.items():  # warm-ups one after the other
-            env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
-            procs[kind] = subprocess.Popen([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)],
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True,
-                                           env=env)
+            command, env = _worker_command(kind, spec)
+            procs[kind] = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors,
+                                           text=True, env=env)
             wait_ready(kind)
         order, results = [first, *(k for k in specs if k != first)], {}
         while len(results) < len(specs):
