@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tamer.models import TinyModelConfig, build_tiny_model, token_logprobs
+from tamer.models import TinyModelConfig, build_tiny_model, fast_forward, token_logprobs
 from tamer.models.fast_forward import FastDecoder, linear, unsupported_reason
 from tamer.rollout.engine import HFEngine, _left_pad, preallocate
 from tamer.rollout.types import SamplingParams
@@ -85,10 +85,73 @@ def test_same_seed_same_tokens_as_hf_path(tokenizer, arch, temperature, precisio
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
 
 
-def test_snapshot_follows_weight_updates(tokenizer):
-    """Fused weights are a snapshot; an optimizer step (in place) must be seen by the next generate."""
-    model = _model(tokenizer, "qwen2")
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_bf16_snapshot_is_bitwise_autocast_of_fp32_snapshot(tokenizer, arch):
+    """refresh(bf16) stores the matmul weights cast once; under bf16 autocast the logits are bitwise
+    those of the fp32 snapshot that autocast casts at every call (qwen2: with q/k/v biases, tied head)."""
+    model = _model(tokenizer, arch)
+    cast, plain = FastDecoder.for_model(model), FastDecoder.for_model(model)
+    cast.refresh(torch.bfloat16)
+    plain.refresh()
+    layer = cast.layers[0]
+    assert {layer.qkv_w.dtype, layer.o_w.dtype, layer.gu_w.dtype, layer.down_w.dtype, cast.head.dtype} == {
+        torch.bfloat16}
+    assert (layer.qkv_b is None) == (arch == "llama") and (layer.qkv_b is None or layer.qkv_b.dtype == torch.bfloat16)
+    assert cast.embed.dtype == layer.ln1[0].dtype == cast.norm[0].dtype == torch.float32  # outside the matmuls
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # the model is untouched
+    ids, mask = _left_pad(PROMPTS, tokenizer.pad_token_id)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    full = torch.ones(len(PROMPTS), ids.shape[1] + 4, dtype=torch.bool)
+    full[:, :ids.shape[1]] = mask.bool()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        (a, kv_a), (b, kv_b) = (fast.prefill(ids, mask, positions, extra=4) for fast in (cast, plain))
+        assert torch.equal(a, b)
+        last = positions[:, -1]
+        for token in range(3):
+            last = last + 1
+            tokens = torch.full((len(PROMPTS),), 30 + token)
+            assert torch.equal(cast.decode(tokens, last, kv_a, full), plain.decode(tokens, last, kv_b, full))
+    cast.refresh()  # back to fp32: the live weights by reference again
+    assert cast.layers[0].o_w is model.model.layers[0].self_attn.o_proj.weight
+
+
+@pytest.mark.skipif(not fast_forward.MKL_PACKED, reason="torch built without MKL")
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_packed_decode_matches_hf(tokenizer, arch, monkeypatch):
+    """Decode on MKL-packed weights (every weight packed here): HF's logits up to summation order, the
+    same sampled tokens, packs built once per row count and dropped by `refresh`; none under bf16."""
+    monkeypatch.setattr(fast_forward, "PACK_MIN_WEIGHTS", 0)
+    model = _model(tokenizer, arch)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=2)
     engine, plain = HFEngine(model, tokenizer.pad_token_id), HFEngine(model, tokenizer.pad_token_id, fast=False)
+    ours, theirs = engine.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    assert list(engine.fast._packs) == [len(PROMPTS) * params.n]
+    packs, head = engine.fast._packs[len(PROMPTS) * params.n]
+    assert head is not None and all(p is not None for layer in packs for p in layer)
+    for group_a, group_b in zip(ours, theirs):
+        for a, b in zip(group_a, group_b):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
+    engine.fast.refresh()
+    assert engine.fast._packs == {}
+    bf16 = HFEngine(model, tokenizer.pad_token_id, precision="bf16")
+    bf16.generate(PROMPTS, params)
+    assert bf16.fast._packs == {}
+    monkeypatch.setattr(fast_forward, "PACK_MIN_WEIGHTS", 1 << 40)  # too small to pack: F.linear as before
+    engine.generate(PROMPTS, params)
+    assert engine.fast._packs == {}
+
+
+@pytest.mark.parametrize(("precision", "pack"), [("fp32", False), ("fp32", True), ("bf16", False)])
+def test_snapshot_follows_weight_updates(tokenizer, precision, pack, monkeypatch):
+    """Fused weights are a snapshot; an optimizer step (in place) must be seen by the next generate.
+    Under bf16 every snapshot weight is a copy, the ones taken by reference in fp32 included; packed
+    weights (`pack`: all of them) are copies too."""
+    if pack:
+        monkeypatch.setattr(fast_forward, "PACK_MIN_WEIGHTS", 0)
+    model = _model(tokenizer, "qwen2")
+    engine = HFEngine(model, tokenizer.pad_token_id, precision=precision)
+    plain = HFEngine(model, tokenizer.pad_token_id, fast=False, precision=precision)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=1)
     engine.generate(PROMPTS, params)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, fused=True)
@@ -99,6 +162,7 @@ def test_snapshot_follows_weight_updates(tokenizer):
     assert [o.token_ids for g in a for o in g] == [o.token_ids for g in b for o in g]
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.mul_(3.0)  # in place, no sync_weights
+        model.model.layers[1].mlp.down_proj.weight.mul_(2.0)
     a, b = engine.generate(PROMPTS, params), plain.generate(PROMPTS, params)
     torch.testing.assert_close(torch.tensor([o.logprobs for g in a for o in g]),
                                torch.tensor([o.logprobs for g in b for o in g]), atol=1e-5, rtol=1e-5)
