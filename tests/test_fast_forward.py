@@ -119,27 +119,34 @@ def test_bf16_snapshot_is_bitwise_autocast_of_fp32_snapshot(tokenizer, arch):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_packed_decode_matches_hf(tokenizer, arch, monkeypatch):
     """Decode on MKL-packed weights (every weight packed here): HF's logits up to summation order, the
-    same sampled tokens, packs built once per row count and dropped by `refresh`; none under bf16."""
+    same sampled tokens; packed once per `generate` and row count, released when it ends; none in bf16."""
     monkeypatch.setattr(fast_forward, "PACK_MIN_WEIGHTS", 0)
+    built = []
+    original = FastDecoder._packed
+
+    def spy(self, rows, x):
+        built.append((rows, original(self, rows, x)))
+        return built[-1][1]
+    monkeypatch.setattr(FastDecoder, "_packed", spy)
     model = _model(tokenizer, arch)
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=2)
     engine, plain = HFEngine(model, tokenizer.pad_token_id), HFEngine(model, tokenizer.pad_token_id, fast=False)
     ours, theirs = engine.generate(PROMPTS, params), plain.generate(PROMPTS, params)
-    assert list(engine.fast._packs) == [len(PROMPTS) * params.n]
-    packs, head = engine.fast._packs[len(PROMPTS) * params.n]
+    assert {rows for rows, _ in built} == {len(PROMPTS) * params.n} and len({id(got) for _, got in built}) == 1
+    packs, head = built[0][1]
     assert head is not None and all(p is not None for layer in packs for p in layer)
+    assert engine.fast._packs == {}  # released with the generate
     for group_a, group_b in zip(ours, theirs):
         for a, b in zip(group_a, group_b):
             assert a.token_ids == b.token_ids
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=1e-5)
-    engine.fast.refresh()
-    assert engine.fast._packs == {}
-    bf16 = HFEngine(model, tokenizer.pad_token_id, precision="bf16")
-    bf16.generate(PROMPTS, params)
-    assert bf16.fast._packs == {}
+    built.clear()
+    HFEngine(model, tokenizer.pad_token_id, precision="bf16").generate(PROMPTS, params)
+    assert built and all(got is None for _, got in built)
+    built.clear()
     monkeypatch.setattr(fast_forward, "PACK_MIN_WEIGHTS", 1 << 40)  # too small to pack: F.linear as before
     engine.generate(PROMPTS, params)
-    assert engine.fast._packs == {}
+    assert built and all(got is None for _, got in built)
 
 
 @pytest.mark.parametrize(("precision", "pack"), [("fp32", False), ("fp32", True), ("bf16", False)])

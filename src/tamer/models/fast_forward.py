@@ -258,12 +258,18 @@ class FastDecoder:
         self.head = _as(self.model.get_output_embeddings().weight, dtype, getattr(self, "head", None))
         self._packs = {}
 
+    def release(self) -> None:
+        """Drop the packed weights (the engine calls it when a `generate` ends: they are rebuilt from the
+        next snapshot anyway, and freed here they do not sit in memory beside the learner's activations)."""
+        self._packs = {}
+
     def _packed(self, rows: int, x: torch.Tensor) -> tuple[list[tuple], torch.Tensor] | None:
         """Each layer's (qkv, o, gate/up, down) weights and the head's, packed for `rows`-row matmuls.
 
-        Built at the first decode step of a snapshot (about 1 ms per million weights; a decode step
-        of the 20M model saves ~7 ms) and kept until the next `refresh`. None where packing does not
-        apply: float32 CPU matmuls without autocast only.
+        Built at the first decode step of a `generate` (about 1 ms and as much memory as the weights
+        per million weights; a decode step of the 20M benchmark model saves ~4 ms) and kept until
+        `release` or `refresh`. None where packing does not apply: float32 CPU matmuls without
+        autocast only, and models whose largest weight is under `PACK_MIN_WEIGHTS`.
         """
         if not (MKL_PACKED and x.device.type == "cpu" and x.dtype == torch.float32 and self.head.dtype == x.dtype
                 and not torch.is_autocast_enabled("cpu")

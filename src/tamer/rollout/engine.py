@@ -177,10 +177,14 @@ class HFEngine:
                 # The current weights, fused; under bf16 autocast stored in bf16 once per call
                 # rather than cast by autocast at every decode step (see FastDecoder.refresh).
                 self.fast.refresh(torch.bfloat16 if self.precision == "bf16" else None)
-            for start in range(0, len(prompts), per_chunk):
-                seeds = params.row_seeds[start * params.n:(start + per_chunk) * params.n]
-                outputs.extend(self._generate_chunk(prompts[start:start + per_chunk], params, generator, entries,
-                                                    seeds))
+            try:
+                for start in range(0, len(prompts), per_chunk):
+                    seeds = params.row_seeds[start * params.n:(start + per_chunk) * params.n]
+                    outputs.extend(self._generate_chunk(prompts[start:start + per_chunk], params, generator, entries,
+                                                        seeds))
+            finally:
+                if self.fast is not None:
+                    self.fast.release()
         self.prefix_store.replace(entries or [])
         return outputs
 
