@@ -87,6 +87,20 @@ def _saved_bytes(model, ids):
     return sum(storages.values())
 
 
+def test_sampler_snapshot_by_hand():
+    """fp32: fused QKV and gate/up copies; bf16 autocast on fp32 weights: bf16 copies of every projection
+    and of the head; bf16 weights: the fused copies in bf16."""
+    shape = Shape(vocab=1000, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=1024)
+    setup = Setup(prompts=1, group_size=2, prompt_tokens=3, completion_tokens=5, generation_batch=2, runtime_mb=0.0)
+    fused = 256 * 512 + 256 * 2048  # QKV (q 256 + k 128 + v 128 wide), gate/up
+    assert math.isclose(estimate(shape, setup).components["sampler_weights"], 2 * fused * 4 / MB)
+    bf16 = estimate(shape, Setup(**{**setup.__dict__, "autocast_bf16": True}))
+    per_layer = 65536 + 2 * 32768 + 65536 + 3 * 262144  # q, k, v, o, gate, up, down
+    assert math.isclose(bf16.components["sampler_weights"], (2 * per_layer + 256000) * 2 / MB)
+    half = estimate(shape, Setup(**{**setup.__dict__, "weight_bytes": 2, "autocast_bf16": True}))
+    assert math.isclose(half.components["sampler_weights"], 2 * fused * 2 / MB)
+
+
 @pytest.mark.parametrize("lora", [0, 8])
 @pytest.mark.parametrize("size", [dict(hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
                                        intermediate_size=512),

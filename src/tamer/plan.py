@@ -11,7 +11,10 @@ logits' softmax and gradient at the start of backward, or the sampler's KV cache
 
 On CPU, glibc's allocator does not hand back the previous step's freed gradients before the
 next step's are allocated (measured: RSS after one step includes them), so they count twice
-(`cpu_allocator`); the lean sampler keeps fused copies of the QKV and gate/up weights.
+(`cpu_allocator`); the lean sampler keeps fused copies of the QKV and gate/up weights (bf16 copies
+of every projection under bf16 autocast). The MKL-packed decode weights it holds while it
+generates in float32 on CPU (at most the weights' size) are allocated in the heap the previous
+step's freed gradients left, so they add nothing to the peak (measured: the 35m case below).
 
 Activation counts per token are those autograd keeps for backward in tamer's learner forward,
 counted exactly with `saved_tensors_hooks` (tests/test_plan.py checks the formula against that
@@ -154,14 +157,23 @@ def estimate(shape: Shape, s: Setup) -> Plan:
             parts["critic"] = adapter * 4 / MB
             critic_trainable = adapter
         critic_trainable += shape.hidden + 1
-    if not lora:  # the lean sampler's fused QKV and gate/up copies (a LoRA model samples through HF's forward)
-        parts["sampler_weights"] = shape.layers * sum(a * b for n, (a, b) in shape.linear_shapes().items()
-                                                      if n not in ("o_proj", "down_proj")) * s.weight_bytes / MB
+    if not lora:  # the lean sampler's weight snapshot (a LoRA model samples through HF's forward)
+        parts["sampler_weights"] = sampler_weights_mb(shape, s)
     parts["gradients"] = (trainable * trainable_bytes + critic_trainable * trainable_bytes) / MB
     parts["optimizer"] = 2 * parts["gradients"]  # AdamW: exp_avg and exp_avg_sq, in the parameters' dtype
     if s.cpu_allocator:  # glibc keeps the previous step's freed gradients: the next step's are new memory
         parts["retained_gradients"] = parts["gradients"]
     return Plan(parts, learner_activations_mb(shape, s), sampler_mb(shape, s), params, trainable + critic_trainable)
+
+
+def sampler_weights_mb(shape: Shape, s: Setup) -> float:
+    """The lean sampler's snapshot (`FastDecoder.refresh`): fused QKV and gate/up copies in the weights'
+    dtype; under bf16 autocast on float32 weights, bf16 copies of every projection and of the head."""
+    shapes = shape.linear_shapes()
+    if s.autocast_bf16 and s.weight_bytes == 4:
+        return (shape.layers * sum(a * b for a, b in shapes.values()) + shape.vocab * shape.hidden) * 2 / MB
+    fused = sum(a * b for n, (a, b) in shapes.items() if n not in ("o_proj", "down_proj"))
+    return shape.layers * fused * s.weight_bytes / MB
 
 
 def learner_activations_mb(shape: Shape, s: Setup) -> float:
