@@ -55,6 +55,37 @@ def build_model(size: str, out: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------- shared by both sides
+ENV_PACKAGES = ("torch", "transformers", "trl", "accelerate", "tokenizers", "numpy")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def environment(model_dir: str | Path) -> dict:
+    """What a run's numbers may depend on beyond the code: package versions, the CPU and its vector
+    units, and a digest of the model's weight files (so two machines' runs can be told apart)."""
+    import hashlib
+    import platform
+    from importlib import metadata
+    versions = {}
+    for name in ENV_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    cpu, flags = platform.processor() or platform.machine(), set()
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            cpu = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
+    digest = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        digest.update(path.read_bytes())
+    return {"packages": versions, "cpu": cpu, "cpu_flags": [f for f in CPU_FLAGS if f in flags],
+            "python": platform.python_version(), "model_sha256": digest.hexdigest()[:16]}
+
+
 def peak_rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_stats import learning_summary, ratio_summary
-from grpo_workers import LEARNING, SIZES, SPEED, build_model
+from grpo_workers import LEARNING, SIZES, SPEED, build_model, environment
 
 
 def worker(kind: str, spec: dict) -> dict:
@@ -118,7 +118,7 @@ def speed_row(size: str, path: str, spec: dict, tamer: list[dict], trl: list[dic
         "tamer_utilization_vs_model_shape": round(achieved / rate_model, 3),
         "tamer_profile_s": _profile(tamer), "trl_profile_s": _profile(trl),
         "tamer_step_seconds": [r["step_seconds"] for r in tamer], "trl_step_seconds": [r["step_seconds"] for r in trl],
-        "trl_version": trl[0]["trl_version"],
+        "trl_version": trl[0]["trl_version"], "environment": environment(spec["model"]),
     }
     if size in UTILIZATION_TARGET and spec["precision"] == "fp32":
         row["utilization_target"] = UTILIZATION_TARGET[size]
@@ -157,6 +157,7 @@ def learning_row(spec: dict, results: dict) -> dict:
         # per step: [mean reward of the step's samples, gradient norm before clipping]
         "tamer_trace": [[round(r, 4), round(g, 4)] for r, g in results["tamer"]["trace"]],
         "trl_trace": [[round(r, 4), round(g, 4)] for r, g in results["trl"]["trace"]],
+        "environment": environment(spec["model"]),
     }
 
 

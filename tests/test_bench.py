@@ -244,3 +244,16 @@ def test_sft_vs_trl_block_mode(tmp_path):
                           "--block-steps", "2", "--trl-layouts", "padded", "--tamer-layouts", "packed"],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert bad.returncode == 2 and "multiple" in bad.stderr  # 5 timed steps are not blocks of 2
+
+
+def test_environment_names_versions_cpu_and_model_digest(tmp_path):
+    """Rows carry what their numbers may depend on beyond the code (two machines' runs told apart)."""
+    import torch
+
+    from grpo_workers import CPU_FLAGS, environment
+    (tmp_path / "model.safetensors").write_bytes(b"weights one")
+    first = environment(tmp_path)
+    assert first["packages"]["torch"] == torch.__version__ and set(first["cpu_flags"]) <= set(CPU_FLAGS)
+    assert first["cpu"] and first["python"].count(".") == 2
+    (tmp_path / "model.safetensors").write_bytes(b"weights two")
+    assert environment(tmp_path)["model_sha256"] != first["model_sha256"]
