@@ -144,9 +144,28 @@ def test_packed_decode_matches_hf(tokenizer, arch, monkeypatch):
     HFEngine(model, tokenizer.pad_token_id, precision="bf16").generate(PROMPTS, params)
     assert built and all(got is None for _, got in built)
     built.clear()
+    monkeypatch.setattr(fast_forward, "available_mb", lambda: 0.0)  # no memory to spare: F.linear, same tokens
+    again = engine.generate(PROMPTS, params)
+    assert built and all(got is None for _, got in built)
+    assert [o.token_ids for g in again for o in g] == [o.token_ids for g in theirs for o in g]
+    built.clear()
+    monkeypatch.setattr(fast_forward, "available_mb", lambda: None)  # unknown (not Linux): packed
     monkeypatch.setattr(fast_forward, "PACK_MIN_WEIGHTS", 1 << 40)  # too small to pack: F.linear as before
     engine.generate(PROMPTS, params)
     assert built and all(got is None for _, got in built)
+
+
+def test_available_memory_reads_meminfo_and_the_cgroup_limit(tmp_path):
+    from tamer.memory import available_mb
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    2097152 kB\n")
+    assert available_mb(meminfo, tmp_path / "none") == 2048.0
+    (tmp_path / "memory.max").write_text(str(3 * 2**30) + "\n")
+    (tmp_path / "memory.current").write_text(str(2 * 2**30) + "\n")
+    assert available_mb(meminfo, tmp_path) == 1024.0  # the container's limit is the tighter
+    (tmp_path / "memory.max").write_text("max\n")
+    assert available_mb(meminfo, tmp_path) == 2048.0
+    assert available_mb(tmp_path / "missing", tmp_path / "none") is None
 
 
 @pytest.mark.parametrize(("precision", "pack"), [("fp32", False), ("fp32", True), ("bf16", False)])

@@ -1,7 +1,8 @@
-"""Memory readings of this process, in MB: resident now and at its peak.
+"""Memory readings of this process, in MB: resident now and at its peak; the memory still available.
 
     current_rss_mb()   # VmRSS
     peak_rss_mb()      # VmHWM: the high-water mark since the process started
+    available_mb()     # MemAvailable, or less under a cgroup (container) limit; None where unknown
 
 Read from /proc/self/status on Linux (getrusage elsewhere). A process's peak is its own:
 to compare methods, run each in its own process (`tamer.phases.run_in_child`). On Linux a
@@ -39,3 +40,22 @@ def peak_rss_mb() -> float:
         return value
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux/BSD, bytes on macOS
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+
+
+def available_mb(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """Memory that can still be allocated, in MB: the kernel's MemAvailable, capped by the cgroup v2
+    limit (`memory.max` - `memory.current`) a container runs under. None where neither is readable."""
+    found = []
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) / 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append((int(limit) - int((cgroup / "memory.current").read_text())) / 2**20)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from tamer.memory import available_mb
 from tamer.models.fast_arch import (  # noqa: F401 - unsupported_reason is re-exported: part of this API
     Arch,
     Unsupported,
@@ -201,7 +202,7 @@ class FastDecoder:
         self.inv_freq = inner.rotary_emb.inv_freq.detach().float().cpu()
         self._table: torch.Tensor | None = None
         self.layers: list[Layer] | None = None  # weights for prefill/decode, fused ones copied by refresh()
-        self._packs: dict[int, tuple] = {}  # decode rows -> MKL-packed weights of this snapshot
+        self._packs: dict[int, tuple | None] = {}  # decode rows -> MKL-packed weights of this snapshot
         self._tables(min(max(int(config.max_position_embeddings), 64), 4096))  # grows on demand
 
     @classmethod
@@ -269,13 +270,22 @@ class FastDecoder:
         Built at the first decode step of a `generate` (about 1 ms and as much memory as the weights
         per million weights; a decode step of the 20M benchmark model saves ~4 ms) and kept until
         `release` or `refresh`. None where packing does not apply: float32 CPU matmuls without
-        autocast only, and models whose largest weight is under `PACK_MIN_WEIGHTS`.
+        autocast only, models whose largest weight is under `PACK_MIN_WEIGHTS`, and when the
+        machine has less than twice the packs' size available (`tamer.memory.available_mb`: a
+        large float32 model keeps `F.linear` rather than doubling its weights' memory).
         """
         if not (MKL_PACKED and x.device.type == "cpu" and x.dtype == torch.float32 and self.head.dtype == x.dtype
                 and not torch.is_autocast_enabled("cpu")
                 and max(layer.gu_w.numel() for layer in self.layers) >= PACK_MIN_WEIGHTS):
             return None
         if rows not in self._packs:
+            weights = [w for layer in self.layers for w in (layer.qkv_w, layer.o_w, layer.gu_w, layer.down_w)]
+            need_mb = sum(w.numel() for w in [*weights, self.head] if w.numel() >= PACK_MIN_WEIGHTS) * 4 / 2**20
+            free_mb = available_mb()
+            if free_mb is not None and free_mb < 2 * need_mb:  # packs would crowd the machine: F.linear
+                self._packs[rows] = None
+                return None
+
             def pack(w: torch.Tensor) -> torch.Tensor | None:
                 return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows) if w.numel() >= PACK_MIN_WEIGHTS \
                     else None
