@@ -236,8 +236,7 @@ class FastDecoder:
         `matmul_dtype` (the engine passes bf16 under bf16 autocast): the projection and head
         weights are stored in it, so autocast finds them already cast instead of casting every
         weight at every decode step. Autocast would compute the same bf16 copy (a rounding of
-        each value), so the outputs are bitwise the same; embeddings, norms and biases added
-        outside a matmul stay as they are.
+        each value), so the outputs are bitwise the same; embeddings and norms stay as they are.
         """
         inner = self.model.model
         old = self.layers
@@ -267,8 +266,8 @@ class FastDecoder:
     def _packed(self, rows: int, x: torch.Tensor) -> tuple[list[tuple], torch.Tensor] | None:
         """Each layer's (qkv, o, gate/up, down) weights and the head's, packed for `rows`-row matmuls.
 
-        Built at the first decode step of a `generate` (about 1 ms and as much memory as the weights
-        per million weights; a decode step of the 20M benchmark model saves ~4 ms) and kept until
+        Built at the first decode step of a `generate` (about 1 ms per million weights, and as much
+        memory as the weights packed; a decode step of the 20M benchmark model saves ~4 ms) and kept until
         `release` or `refresh`. None where packing does not apply: float32 CPU matmuls without
         autocast only, models whose largest weight is under `PACK_MIN_WEIGHTS`, and when the
         machine has less than twice the packs' size available (`tamer.memory.available_mb`: a
