@@ -124,8 +124,8 @@ def test_packed_decode_matches_hf(tokenizer, arch, monkeypatch):
     built = []
     original = FastDecoder._packed
 
-    def spy(self, rows, x):
-        built.append((rows, original(self, rows, x)))
+    def spy(self, rows):
+        built.append((rows, original(self, rows)))
         return built[-1][1]
     monkeypatch.setattr(FastDecoder, "_packed", spy)
     model = _model(tokenizer, arch)

@@ -17,12 +17,13 @@ import sys
 from pathlib import Path
 
 
-def _proc_status_mb(key: str) -> float | None:
+def _proc_status_mb(key: str, path: Path = Path("/proc/self/status")) -> float | None:
+    """The `key:  N kB` line of a /proc file (status, meminfo) in MB; None if absent or unreadable."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in path.read_text().splitlines():
             if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024  # kB -> MB
-    except OSError:
+    except (OSError, ValueError, IndexError):
         pass
     return None
 
@@ -45,13 +46,8 @@ def peak_rss_mb() -> float:
 def available_mb(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> float | None:
     """Memory that can still be allocated, in MB: the kernel's MemAvailable, capped by the cgroup v2
     limit (`memory.max` - `memory.current`) a container runs under. None where neither is readable."""
-    found = []
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append(int(line.split()[1]) / 1024)
-    except (OSError, ValueError, IndexError):
-        pass
+    kernel = _proc_status_mb("MemAvailable", meminfo)
+    found = [] if kernel is None else [kernel]
     try:
         limit = (cgroup / "memory.max").read_text().strip()
         if limit != "max":

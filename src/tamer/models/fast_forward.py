@@ -202,6 +202,8 @@ class FastDecoder:
         self.inv_freq = inner.rotary_emb.inv_freq.detach().float().cpu()
         self._table: torch.Tensor | None = None
         self.layers: list[Layer] | None = None  # weights for prefill/decode, fused ones copied by refresh()
+        self.head: torch.Tensor | None = None
+        self._pack_mb = 0.0  # MB of this snapshot's weights decode packs (0: packing does not apply)
         self._packs: dict[int, tuple | None] = {}  # decode rows -> MKL-packed weights of this snapshot
         self._tables(min(max(int(config.max_position_embeddings), 64), 4096))  # grows on demand
 
@@ -255,41 +257,46 @@ class FastDecoder:
         self.layers = layers
         self.embed = inner.embed_tokens.weight
         self.norm = (inner.norm.weight, self.final_eps)
-        self.head = _as(self.model.get_output_embeddings().weight, dtype, getattr(self, "head", None))
+        self.head = _as(self.model.get_output_embeddings().weight, dtype, self.head)
+        self._pack_mb = self._packable_mb()
         self._packs = {}
+
+    def _packable_mb(self) -> float:
+        """MB of the snapshot's weights that decode would pack: float32 CPU weights with MKL, each of at
+        least `PACK_MIN_WEIGHTS` elements, when gate/up (the largest) is; else 0."""
+        if not (MKL_PACKED and self.head.device.type == "cpu" and self.head.dtype == torch.float32
+                and max(layer.gu_w.numel() for layer in self.layers) >= PACK_MIN_WEIGHTS):
+            return 0.0
+        weights = [w for layer in self.layers for w in (layer.qkv_w, layer.o_w, layer.gu_w, layer.down_w)]
+        return sum(w.numel() for w in [*weights, self.head] if w.numel() >= PACK_MIN_WEIGHTS) * 4 / 2**20
 
     def release(self) -> None:
         """Drop the packed weights (the engine calls it when a `generate` ends: they are rebuilt from the
         next snapshot anyway, and freed here they do not sit in memory beside the learner's activations)."""
         self._packs = {}
 
-    def _packed(self, rows: int, x: torch.Tensor) -> tuple[list[tuple], torch.Tensor] | None:
+    def _packed(self, rows: int) -> tuple[list[tuple], torch.Tensor] | None:
         """Each layer's (qkv, o, gate/up, down) weights and the head's, packed for `rows`-row matmuls.
 
         Built at the first decode step of a `generate` (about 1 ms per million weights, and as much
         memory as the weights packed; a decode step of the 20M benchmark model saves ~4 ms) and kept until
-        `release` or `refresh`. None where packing does not apply: float32 CPU matmuls without
-        autocast only, models whose largest weight is under `PACK_MIN_WEIGHTS`, and when the
+        `release` or `refresh`. None where packing does not apply (`_packable_mb` is 0, or autocast
+        is on: packed matmuls would bypass it), and when the
         machine has less than twice the packs' size available (`tamer.memory.available_mb`: a
         large float32 model keeps `F.linear` rather than doubling its weights' memory).
         """
-        if not (MKL_PACKED and x.device.type == "cpu" and x.dtype == torch.float32 and self.head.dtype == x.dtype
-                and not torch.is_autocast_enabled("cpu")
-                and max(layer.gu_w.numel() for layer in self.layers) >= PACK_MIN_WEIGHTS):
+        if not self._pack_mb or torch.is_autocast_enabled("cpu"):
             return None
         if rows not in self._packs:
-            weights = [w for layer in self.layers for w in (layer.qkv_w, layer.o_w, layer.gu_w, layer.down_w)]
-            need_mb = sum(w.numel() for w in [*weights, self.head] if w.numel() >= PACK_MIN_WEIGHTS) * 4 / 2**20
             free_mb = available_mb()
-            if free_mb is not None and free_mb < 2 * need_mb:  # packs would crowd the machine: F.linear
-                self._packs[rows] = None
-                return None
+            crowded = free_mb is not None and free_mb < 2 * self._pack_mb  # then F.linear, as without packing
 
             def pack(w: torch.Tensor) -> torch.Tensor | None:
                 return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows) if w.numel() >= PACK_MIN_WEIGHTS \
                     else None
-            self._packs[rows] = ([(pack(layer.qkv_w), pack(layer.o_w), pack(layer.gu_w), pack(layer.down_w))
-                                  for layer in self.layers], pack(self.head))
+            self._packs[rows] = None if crowded else (
+                [(pack(layer.qkv_w), pack(layer.o_w), pack(layer.gu_w), pack(layer.down_w)) for layer in self.layers],
+                pack(self.head))
         return self._packs[rows]
 
     def _tables(self, size: int) -> None:
@@ -491,7 +498,7 @@ class FastDecoder:
         # below) in bf16 where HF's attention and float32 residual stream do not, and with bf16
         # weights, whose residual adds HF rounds separately: SDPA and plain adds there.
         fuse = x.dtype == torch.float32 and not torch.is_autocast_enabled(x.device.type)
-        packs, head = self._packed(batch, x) or (None, None)
+        packs, head = self._packed(batch) or (None, None)
         masks = {}
         for window in set(self.arch.windows):
             near = window_mask(end, torch.tensor([col], device=x.device), window)
