@@ -211,6 +211,19 @@ def test_sft_vs_trl_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_packed_decode_smoke(tmp_path):
+    """The packed/unpacked A/B runs both settings in one process and reports their ratio (1m: nothing packs)."""
+    import json
+    import subprocess
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "packed_decode.py"), "--size", "1m", "--pairs", "2",
+                          "--warmup", "1", "--threads", "1"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["pairs"] == 2 and row["packs_apply"] is False  # 1m: below PACK_MIN_WEIGHTS
+    assert row["ratio"]["min"] > 0 and row["packed_step_s"]["median"] > 0
+
+
+@pytest.mark.slow
 def test_sft_attention_groups_smoke(tmp_path):
     """The budget A/B runs both budgets on the same batches and reports their groups and ratios."""
     import json

@@ -1,0 +1,70 @@
+"""tamer's GRPO step (the `vs_trl.py` speed spec) with and without MKL-packed decode weights, alternated in one process.
+
+    python benchmarks/packed_decode.py --size 20m --pairs 12
+
+`FastDecoder` runs its float32 decode matmuls on weights packed once per `generate`
+(`torch.ops.mkl._mkl_linear`) when the model's weights are large enough. This script builds the
+benchmark model, warms an `RLTrainer` up, then runs `--pairs` pairs of `train_step()` with packing
+on and off (`fast_forward.MKL_PACKED`), the order reversed every other pair, all in one process:
+a slow spell of the machine falls on both alike. One JSON line: per setting the median step and
+generation seconds and their range, and the per-pair ratio packed / unpacked (median, min, max).
+Peak memory needs one process per setting (`memory_plan.py` measures the whole step's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpo_workers import SIZES, SPEED, build_model, environment, load, tamer_trainer, tasks_for
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="20m", help=f"of {', '.join(SIZES)}")
+    parser.add_argument("--pairs", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    import tamer.models.fast_forward as ff
+
+    tmp = Path(tempfile.mkdtemp())
+    model_dir = build_model(args.size, tmp)
+    spec = dict(SPEED, model=str(model_dir), threads=args.threads, seed=0, beta=0.0, precision="fp32", warmup=0,
+                total_steps=args.warmup + 2 * args.pairs, eval_every=0, run_dir=str(tmp / "run"))
+    model, tokenizer = load(spec)
+    prompts, heldout = tasks_for(spec)
+    trainer = tamer_trainer(spec, model, tokenizer, prompts, heldout)
+    for _ in range(args.warmup):
+        trainer.train_step()
+    available = ff.MKL_PACKED  # False on torch builds without MKL: both settings then run F.linear
+    steps, generate = {True: [], False: []}, {True: [], False: []}
+    for pair in range(args.pairs):
+        for packed in ((True, False) if pair % 2 == 0 else (False, True)):
+            ff.MKL_PACKED = available and packed
+            start = time.perf_counter()
+            metrics = trainer.train_step()
+            steps[packed].append(time.perf_counter() - start)
+            generate[packed].append(metrics["time/generate_s"])
+    ff.MKL_PACKED = available
+    ratios = [a / b for a, b in zip(steps[True], steps[False])]
+    fast = trainer.engine.fast
+
+    def summary(xs: list[float]) -> dict:
+        return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
+    print(json.dumps({
+        "size": args.size, "pairs": args.pairs, "threads": args.threads, "mkl_available": available,
+        "packs_apply": fast is not None and fast._packable_mb() > 0,
+        "packed_step_s": summary(steps[True]), "unpacked_step_s": summary(steps[False]),
+        "packed_generate_s": summary(generate[True]), "unpacked_generate_s": summary(generate[False]),
+        "ratio": summary(ratios), "environment": environment(model_dir)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
