@@ -27,10 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpo_workers import environment
 
 SIZES = {  # name -> TinyModelConfig fields; the same shapes as benchmarks/vs_trl.py
     "1m": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512),
@@ -140,14 +143,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cpu_flags = ""
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu_flags = f.read()
+    env = environment(packages=("torch", "vllm", "transformers", "numpy"))
     report = {
-        "machine": {"cpus": os.cpu_count(), "avx512f": "avx512f" in cpu_flags, "python": platform.python_version(),
+        "machine": {"cpus": os.cpu_count(), "avx512f": "avx512f" in env["cpu_flags"], "python": env["python"],
                     "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "load_average_start": os.getloadavg()},
+                    "load_average_start": os.getloadavg(), "environment": env},
         "repeats": args.repeats, "sizes": {},
     }
     import vllm

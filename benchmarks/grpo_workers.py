@@ -12,6 +12,7 @@ agree).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -59,14 +60,14 @@ ENV_PACKAGES = ("torch", "transformers", "trl", "accelerate", "tokenizers", "num
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
-def environment(model_dir: str | Path) -> dict:
-    """What a run's numbers may depend on beyond the code: package versions, the CPU and its vector
-    units, and a digest of the model's weight files (so two machines' runs can be told apart)."""
-    import hashlib
+def environment(model_dir: str | Path | None = None, packages: tuple[str, ...] = ENV_PACKAGES) -> dict:
+    """What a run's numbers may depend on beyond the code: `packages`' versions, the CPU and its vector
+    units, and (with `model_dir`) a digest of the model's weight files (so two machines' runs can be told
+    apart)."""
     import platform
     from importlib import metadata
     versions = {}
-    for name in ENV_PACKAGES:
+    for name in packages:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -79,11 +80,22 @@ def environment(model_dir: str | Path) -> dict:
             cpu = value.strip()
         elif key.strip() == "flags":
             flags = set(value.split())
+    out = {"packages": versions, "cpu": cpu, "cpu_flags": [f for f in CPU_FLAGS if f in flags],
+           "python": platform.python_version()}
+    if model_dir is not None:
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        out["model_sha256"] = _weights_digest(tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _weights_digest(files: tuple[tuple[str, int, int], ...]) -> str:
+    """sha256[:16] of the files' bytes; cached per (path, mtime, size), so a learning run hashes its model once."""
+    import hashlib
     digest = hashlib.sha256()
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        digest.update(path.read_bytes())
-    return {"packages": versions, "cpu": cpu, "cpu_flags": [f for f in CPU_FLAGS if f in flags],
-            "python": platform.python_version(), "model_sha256": digest.hexdigest()[:16]}
+    for path, _, _ in files:
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def peak_rss_mb() -> float:

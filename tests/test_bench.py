@@ -268,5 +268,8 @@ def test_environment_names_versions_cpu_and_model_digest(tmp_path):
     first = environment(tmp_path)
     assert first["packages"]["torch"] == torch.__version__ and set(first["cpu_flags"]) <= set(CPU_FLAGS)
     assert first["cpu"] and first["python"].count(".") == 2
-    (tmp_path / "model.safetensors").write_bytes(b"weights two")
+    assert environment(tmp_path) == first  # the digest is cached per file path, mtime and size
+    (tmp_path / "model.safetensors").write_bytes(b"other weights")
     assert environment(tmp_path)["model_sha256"] != first["model_sha256"]
+    bare = environment(packages=("torch", "no-such-package"))  # benchmarks/engines.py: no model, its packages
+    assert "model_sha256" not in bare and bare["packages"] == {"torch": torch.__version__, "no-such-package": None}

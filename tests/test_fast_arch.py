@@ -294,3 +294,36 @@ def test_packed_sft_loss_equals_the_padded_hf_loss_or_falls_back(name):
     torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
     for a, b in zip(g_packed, g_padded):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_rms_norm_backward_by_hand():
+    """The learner's RMSNorm (`_RMSNorm`): forward bitwise `F.rms_norm`, backward = the derivation in
+    docs/algorithms.md#rmsnorm-backward, by hand on x = (3, 4), w = (1, 2), eps 0, g = (1, 1):
+    r = 1/sqrt(12.5), so r² = 0.08; ∂L/∂x = r·((1, 2) − 5.5·r²·(3, 4)) = r·(−0.32, 0.24); ∂L/∂w = (3r, 4r)."""
+    import torch.nn.functional as F
+
+    from tamer.models.fast_arch import _RMSNorm, rms_norm
+    x = torch.tensor([[3.0, 4.0]], dtype=torch.float64, requires_grad=True)
+    w = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    _RMSNorm.apply(x, w, 0.0).sum().backward()
+    r = 12.5 ** -0.5
+    assert torch.allclose(x.grad, torch.tensor([[-0.32 * r, 0.24 * r]], dtype=torch.float64), atol=1e-15)
+    assert torch.allclose(w.grad, torch.tensor([3 * r, 4 * r], dtype=torch.float64), atol=1e-15)
+    assert abs(float((x.grad * x.detach()).sum())) < 1e-15  # scale invariance at eps 0: ∂L/∂x ⟂ x
+
+    gen = torch.Generator().manual_seed(0)
+    x64 = torch.randn(3, 5, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(8, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: _RMSNorm.apply(a, b, 1e-6), (x64, w64))
+
+    # float32: the forward is F.rms_norm's bit for bit; the gradients match autograd's within rounding
+    xs, ws = x64.detach().float().requires_grad_(), w64.detach().float().requires_grad_()
+    xr, wr = xs.detach().clone().requires_grad_(), ws.detach().clone().requires_grad_()
+    ours, ref = rms_norm(xs, (ws, 1e-6), offset=False), F.rms_norm(xr, (8,), wr, 1e-6)
+    assert ours.grad_fn is not None and "RMSNorm" in type(ours.grad_fn).__name__ and torch.equal(ours, ref)
+    g = torch.randn(3, 5, 8, generator=gen)
+    ours.backward(g)
+    ref.backward(g)
+    assert torch.allclose(xs.grad, xr.grad, atol=1e-6) and torch.allclose(ws.grad, wr.grad, atol=1e-5)
+    with torch.no_grad():  # without autograd, torch's own op
+        assert torch.equal(rms_norm(xs, (ws, 1e-6), offset=False), ref)

@@ -59,9 +59,10 @@ def test_estimate_by_hand():
     gpu = estimate(shape, Setup(**{**setup.__dict__, "cpu_allocator": False}))
     assert "retained_gradients" not in gpu.components
     # learner: 16 // 8 = 2 rows of one group: 1 prompt (3 tokens) + 2 completions (5) = 13 tokens;
-    # per layer 8h + 3kv + 4i = 64 + 12 + 64 = 140 floats; prompt KV copies 2 layers * 2 rows * 3 * 2 * 4;
-    # logits 10 tokens * (V + 3h) saved, and 3 * 10 * V in the backward of logsumexp, all float32
-    saved = (13 * 2 * 140 + 2 * 2 * 3 * 2 * 4) * 4 + 10 * (100 + 24) * 4
+    # per layer 6h + 3kv + 4i = 48 + 12 + 64 = 124 floats (the lean forward's norms keep x̂ only); prompt KV
+    # copies 2 layers * 2 rows * 3 * 2 * 4; logits 10 tokens * (V + 2h) saved, and 3 * 10 * V in the backward
+    # of logsumexp, all float32
+    saved = (13 * 2 * 124 + 2 * 2 * 3 * 2 * 4) * 4 + 10 * (100 + 16) * 4
     assert math.isclose(plan.learner_mb, (saved + 3 * 10 * 100 * 4) / MB)
     # sampler: 4 rows, 8 tokens, keys and values of width 4 in 2 layers, float32; logits 3 * 4 * V
     assert math.isclose(plan.sampler_mb, (2 * 4 * 8 * 2 * 4 * 4 + 3 * 4 * 100 * 4) / MB)

@@ -188,13 +188,15 @@ def learner_activations_mb(shape: Shape, s: Setup) -> float:
         kv_copies = layers * rows * s.prompt_tokens * 2 * kv  # each row's copy of its prompt's keys and values
     else:
         tokens, logit_tokens, kv_copies = rows * width, rows * width, 0
+    # LoRA models run the HF forward, whose RMSNorm keeps its input and x̂ (2h per norm); the lean forward's
+    # keeps x̂ alone (`fast_arch._RMSNorm`): 2 norms per layer and the final one hold h less each.
     if s.lora_r > 0:
-        per_layer = 6 * h + 2 * kv + 4 * i + 7 * s.lora_r
+        per_layer, final = 6 * h + 2 * kv + 4 * i + 7 * s.lora_r, 3 * h
     else:
-        per_layer = 8 * h + 3 * kv + 4 * i
+        per_layer, final = 6 * h + 3 * kv + 4 * i, 2 * h
     kept = tokens * (layers * h + per_layer) if s.checkpointing else tokens * layers * per_layer
     act_bytes = 2 if (s.autocast_bf16 or s.weight_bytes == 2) else 4
-    saved = (kept + kv_copies) * act_bytes + logit_tokens * (vocab + 3 * h) * 4  # logits are upcast to float32
+    saved = (kept + kv_copies) * act_bytes + logit_tokens * (vocab + final) * 4  # logits are upcast to float32
     backward = 3 * logit_tokens * vocab * 4  # logsumexp and gather's backward: 3 float32 copies at its peak
     return (saved + backward) / MB
 

@@ -340,8 +340,8 @@ class FastDecoder:
     def _qk(self, qk: torch.Tensor, layer: Layer, cs: torch.Tensor) -> torch.Tensor:
         """Queries then keys (…, H + H_kv, D): Qwen3's per-head norms, then RoPE."""
         if self.arch.qk_norm:
-            qk = torch.cat([self._norm(qk[..., :self.num_heads, :], layer.q_norm),
-                            self._norm(qk[..., self.num_heads:, :], layer.k_norm)], dim=-2)
+            q, k = qk.split([self.num_heads, qk.shape[-2] - self.num_heads], dim=-2)
+            qk = torch.cat([self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)], dim=-2)
         return self._rope(qk, cs)
 
     def _residual(self, x: torch.Tensor, out: torch.Tensor, post: tuple | None) -> torch.Tensor:
@@ -417,7 +417,8 @@ class FastDecoder:
         else:
             qkv = linear(h, layer.qkv_w, layer.qkv_b).view(batch, seq, heads + 2 * kv, d)
             qk, v = self._qk(qkv[:, :, :heads + kv], layer, cs), qkv[:, :, heads + kv:]
-        q, k, v = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
+        q, k = (t.transpose(1, 2) for t in qk.split([heads, kv], dim=2))  # split: one backward, no zero-filled slices
+        v = v.transpose(1, 2)
         if past_k is not None:
             k, v = torch.cat([past_k.to(k.dtype), k], dim=2), torch.cat([past_v.to(v.dtype), v], dim=2)
         attn = attend(q, k, v, allowed, self.scaling, self.arch.attn_softcap)

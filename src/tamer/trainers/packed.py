@@ -136,9 +136,8 @@ def packed_logits(fast: FastDecoder, batch: dict) -> torch.Tensor:
     for i, layer in enumerate(layers):
         h = fast._norm(x, layer.ln1)
         q, k, v = (linear(h, w, b).view(len(ids), -1, d) for w, b in zip(layer.qkv_w, layer.qkv_b))
-        qk = fast._qk(torch.cat([q, k], dim=1), layer, cs)
-        q, k = qk[:, :heads], qk[:, heads:]
-        attn = torch.cat([_group_attention(fast, q, k, v, g) for g in groups])  # (N, H·D)
+        q, k = fast._qk(torch.cat([q, k], dim=1), layer, cs).split([heads, fast.num_kv], dim=1)
+        attn = _cat_once([_group_attention(fast, q, k, v, g) for g in groups])  # (N, H·D)
         if i == len(layers) - 1:  # last layer: only the positions with a loss go on
             x, attn = x[select], attn[select]
         x = fast._residual(x, linear(attn, layer.o_w, layer.o_b), layer.post_attn)
@@ -153,11 +152,17 @@ def _group_attention(fast: FastDecoder, q, k, v, group) -> torch.Tensor:
     """Causal attention of one group's rows (q (N, H, D), k/v (N, H_kv, D) packed) -> (n, H·D) for the packed
     tokens the group provides, in packed order."""
     rows, width, source, slot, take = group
-    padded = [t.new_zeros(rows * width, t.shape[1], t.shape[2]).index_copy(0, slot, t[source])
+    whole = isinstance(source, slice) and source.start == 0 and source.stop == len(q)  # the group is every token
+    padded = [t.new_zeros(rows * width, t.shape[1], t.shape[2]).index_copy(0, slot, t if whole else t[source])
               .view(rows, width, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v)]  # (b, H, T, D)
     out = F.scaled_dot_product_attention(*padded, is_causal=True, scale=fast.scaling,
                                          enable_gqa=fast.num_heads != fast.num_kv)
     return out.transpose(1, 2).reshape(rows * width, -1).index_select(0, take)
+
+
+def _cat_once(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat, without its copy (and its backward) when there is one part."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def packed_loss(model, batch: dict, fast: FastDecoder | None = None) -> torch.Tensor:
