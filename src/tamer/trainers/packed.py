@@ -81,8 +81,9 @@ def pack(examples: list, pad_id: int = 0, share_prefix: bool = True) -> dict:
     (M,): the packed index of every position whose next token is learned (a shared position may
     appear once per sequence), targets (M,): those tokens; `shared`: the shared prefix length;
     `groups`: the attention layout, per group of `attention_groups` (rows, width, source
-    (the packed tokens of its rows, in row order), slot (their places in a (rows, width)
-    layout), take (the places of the packed tokens this group's output provides, in packed order)).
+    (the packed tokens of its rows, in row order; None when that is every packed token), slot
+    (their places in a (rows, width) layout), take (the places of the packed tokens this group's
+    output provides, in packed order)).
     """
     rows = sorted(((e.prompt_ids + e.completion_ids,
                     [0] * len(e.prompt_ids) + list(e.completion_mask or [1] * len(e.completion_ids)))
@@ -107,7 +108,8 @@ def pack(examples: list, pad_id: int = 0, share_prefix: bool = True) -> dict:
         width = max(lengths)
         slot = as_long([r * width + p for r, n in enumerate(lengths) for p in range(n)])
         if k == 0:  # the group's tokens are one contiguous run of the packed row, in row order
-            source, take = slice(starts[first], starts[members[-1]] + lengths[-1]), slot
+            whole = len(members) == len(rows)  # then no slice (its backward would zero-fill a full-size gradient)
+            source, take = None if whole else slice(starts[first], starts[members[-1]] + lengths[-1]), slot
         else:
             source = as_long([where(i, p) for i in members for p in range(len(rows[i][0]))])
             take = as_long(list(range(k)) * (first == 0)  # the prefix's output from the first row
@@ -127,7 +129,7 @@ def packed_logits(fast: FastDecoder, batch: dict) -> torch.Tensor:
     """Logits (M, V) at `batch["select"]` with the live weights (autograd records them)."""
     device = fast.model.model.embed_tokens.weight.device
     ids, positions, lengths, select = (batch[k].to(device) for k in ("input_ids", "positions", "lengths", "select"))
-    to = lambda t: t if isinstance(t, slice) else t.to(device)  # noqa: E731
+    to = lambda t: t if t is None or isinstance(t, slice) else t.to(device)  # noqa: E731
     groups = [(rows, width, to(source), to(slot), to(take)) for rows, width, source, slot, take in batch["groups"]]
     d, heads = fast.head_dim, fast.num_heads
     x = fast._embed(ids, fast.model.model.embed_tokens.weight)  # (N, hidden)
@@ -152,8 +154,7 @@ def _group_attention(fast: FastDecoder, q, k, v, group) -> torch.Tensor:
     """Causal attention of one group's rows (q (N, H, D), k/v (N, H_kv, D) packed) -> (n, H·D) for the packed
     tokens the group provides, in packed order."""
     rows, width, source, slot, take = group
-    whole = isinstance(source, slice) and source.start == 0 and source.stop == len(q)  # the group is every token
-    padded = [t.new_zeros(rows * width, t.shape[1], t.shape[2]).index_copy(0, slot, t if whole else t[source])
+    padded = [t.new_zeros(rows * width, t.shape[1], t.shape[2]).index_copy(0, slot, t if source is None else t[source])
               .view(rows, width, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v)]  # (b, H, T, D)
     out = F.scaled_dot_product_attention(*padded, is_causal=True, scale=fast.scaling,
                                          enable_gqa=fast.num_heads != fast.num_kv)
