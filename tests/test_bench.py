@@ -220,7 +220,28 @@ def test_packed_decode_smoke(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert row["pairs"] == 2 and row["packs_apply"] is False  # 1m: below PACK_MIN_WEIGHTS
+    from tamer.models import fast_forward
+    assert row["packed_by_default"] is fast_forward.MKL_PACKED  # this CPU's default, restored after the pairs
     assert row["ratio"]["min"] > 0 and row["packed_step_s"]["median"] > 0
+
+
+@pytest.mark.slow
+def test_decode_matmul_smoke(tmp_path):
+    """Every layout of every decode shape is timed hot and cold, and the shapes are the engine's fused ones."""
+    import json
+    import subprocess
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_matmul.py"), "--size", "1m", "--rows", "4",
+                          "--threads", "1", "--cold-mb", "2"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    # 1m: hidden 128, 4 query + 2 x 2 KV heads of 32, intermediate 512, 269-token head
+    assert [(s["in"], s["out"]) for s in row["shapes"]] == [(128, 256), (128, 128), (128, 1024), (512, 128), (128, 269)]
+    for shape in row["shapes"]:
+        assert shape["cold_weights"] * shape["in"] * shape["out"] * 4 <= 2 * 2**20 or shape["cold_weights"] == 1
+        for layout in ("linear", "left", "left_back"):
+            assert shape[layout]["hot_us"] > 0 and shape[layout]["cold_gb_per_s"] > 0
+    assert row["sum_gb_per_s"] > 0
 
 
 @pytest.mark.slow

@@ -115,11 +115,12 @@ def test_bf16_snapshot_is_bitwise_autocast_of_fp32_snapshot(tokenizer, arch):
     assert cast.layers[0].o_w is model.model.layers[0].self_attn.o_proj.weight
 
 
-@pytest.mark.skipif(not fast_forward.MKL_PACKED, reason="torch built without MKL")
+@pytest.mark.skipif(not fast_forward.MKL_PACKED_AVAILABLE, reason="torch built without MKL")
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_packed_decode_matches_hf(tokenizer, arch, monkeypatch):
     """Decode on MKL-packed weights (every weight packed here): HF's logits up to summation order, the
     same sampled tokens; packed once per `generate` and row count, released when it ends; none in bf16."""
+    monkeypatch.setattr(fast_forward, "MKL_PACKED", True)  # on any CPU vendor
     monkeypatch.setattr(fast_forward, "PACK_MIN_WEIGHTS", 0)
     built = []
     original = FastDecoder._packed
@@ -168,12 +169,29 @@ def test_available_memory_reads_meminfo_and_the_cgroup_limit(tmp_path):
     assert available_mb(tmp_path / "missing", tmp_path / "none") is None
 
 
+def test_cpu_vendor_and_the_packing_default(tmp_path):
+    """`cpu_vendor` reads /proc/cpuinfo's vendor_id; decode packs its weights by default on Intel CPUs
+    only (docs/performance.md: packed decode measured faster on an Intel Xeon, slower on an AMD EPYC)."""
+    from tamer.memory import cpu_vendor
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n\n"
+                       "processor\t: 1\nvendor_id\t: AuthenticAMD\n")
+    assert cpu_vendor(cpuinfo) == "AuthenticAMD"
+    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # an aarch64 cpuinfo: no vendor_id
+    assert cpu_vendor(cpuinfo) is None and cpu_vendor(tmp_path / "missing") is None
+    intel = cpu_vendor() == "GenuineIntel"
+    assert fast_forward.MKL_PACKED is (fast_forward.MKL_PACKED_AVAILABLE and intel)
+
+
 @pytest.mark.parametrize(("precision", "pack"), [("fp32", False), ("fp32", True), ("bf16", False)])
 def test_snapshot_follows_weight_updates(tokenizer, precision, pack, monkeypatch):
     """Fused weights are a snapshot; an optimizer step (in place) must be seen by the next generate.
     Under bf16 every snapshot weight is a copy, the ones taken by reference in fp32 included; packed
     weights (`pack`: all of them) are copies too."""
     if pack:
+        if not fast_forward.MKL_PACKED_AVAILABLE:
+            pytest.skip("torch built without MKL")
+        monkeypatch.setattr(fast_forward, "MKL_PACKED", True)
         monkeypatch.setattr(fast_forward, "PACK_MIN_WEIGHTS", 0)
     model = _model(tokenizer, "qwen2")
     engine = HFEngine(model, tokenizer.pad_token_id, precision=precision)

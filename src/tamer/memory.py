@@ -3,6 +3,7 @@
     current_rss_mb()   # VmRSS
     peak_rss_mb()      # VmHWM: the high-water mark since the process started
     available_mb()     # MemAvailable, or less under a cgroup (container) limit; None where unknown
+    cpu_vendor()       # GenuineIntel, AuthenticAMD, ...: which CPU kernels pay off (fast_forward.MKL_PACKED)
 
 Read from /proc/self/status on Linux (getrusage elsewhere). A process's peak is its own:
 to compare methods, run each in its own process (`tamer.phases.run_in_child`). On Linux a
@@ -55,3 +56,16 @@ def available_mb(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sy
     except (OSError, ValueError):
         pass
     return min(found) if found else None
+
+
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The CPU's `vendor_id` (`GenuineIntel`, `AuthenticAMD`, ...) from /proc/cpuinfo; None where it
+    is not readable (not Linux, or an architecture whose cpuinfo has no such line)."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id":
+                return value.strip()
+    except OSError:
+        pass
+    return None

@@ -21,11 +21,12 @@ torch ops:
 activation, attention dropout, wrapped or biased projections); the engine and the learner then
 keep the HF forward. The fused
 weights are a snapshot: the engine calls `refresh()` at every `generate`, so it never samples
-from stale weights. In float32 on a CPU with MKL, decode's matmuls run on weights packed once
-per `generate` for its row count (`_mkl_linear`, the packed GEMM torch's own CPU inductor uses
-for frozen linears): 1.5-2.6x faster than `F.linear` at decode's 32 rows of the 20M benchmark
-model. `forward()` is the differentiable variant for the learner: it reads the live parameters
-(no snapshot) and returns every position's logits.
+from stale weights. In float32 on an Intel CPU with MKL, decode's matmuls run on weights packed
+once per `generate` for its row count (`_mkl_linear`, the packed GEMM torch's own CPU inductor
+uses for frozen linears): 1.5-2.6x faster than `F.linear` at decode's 32 rows of the 20M
+benchmark model on an Intel Xeon; on an AMD EPYC the packed decode was slower, so there it is off
+(`MKL_PACKED`). `forward()` is the differentiable variant for the learner: it reads the live
+parameters (no snapshot) and returns every position's logits.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from tamer.memory import available_mb
+from tamer.memory import available_mb, cpu_vendor
 from tamer.models.fast_arch import (  # noqa: F401 - unsupported_reason is re-exported: part of this API
     Arch,
     Unsupported,
@@ -105,7 +106,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 # MKL's packed sgemm (`cblas_sgemm_pack`): torch ships it as the ops its CPU inductor uses for
 # frozen float32 linears. Absent from builds without MKL (then decode keeps `F.linear`).
-MKL_PACKED = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+MKL_PACKED_AVAILABLE = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+# Whether decode packs its weights: on Intel CPUs only. Measured with benchmarks/packed_decode.py
+# (the 20M benchmark step, packed / unpacked, 12 alternated pairs): 0.89 on an Intel Xeon (AMX),
+# 1.05 on an AMD EPYC (AVX-512), whose generation phase took 0.69 s packed against 0.61 s plain
+# (docs/performance.md). Set it to True or False to override.
+MKL_PACKED = MKL_PACKED_AVAILABLE and cpu_vendor() == "GenuineIntel"
 # Smaller weights stay on `F.linear`: at 1M parameters (128 x 1024 at most) packing them at every
 # `generate` costs about what their faster decode matmuls save (measured: 0.057 vs 0.055 s per
 # generate of the 1m benchmark model, packed vs not).
