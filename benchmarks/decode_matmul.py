@@ -32,11 +32,12 @@ from grpo_workers import SIZES, environment
 
 def model_shapes(size: str) -> list[tuple[int, int]]:
     """(in, out) of the engine's fused decode matmuls for a `SIZES` model: qkv, o, gate/up, down, head."""
-    s = SIZES[size]
+    from tamer.models import build_char_tokenizer
+    s, vocab = SIZES[size], len(build_char_tokenizer())
     hidden, head_dim = s["hidden_size"], s["hidden_size"] // s["num_heads"]
     qkv = (s["num_heads"] + 2 * s["num_kv_heads"]) * head_dim
     return [(hidden, qkv), (hidden, hidden), (hidden, 2 * s["intermediate_size"]), (s["intermediate_size"], hidden),
-            (hidden, 269)]
+            (hidden, vocab)]
 
 
 def best_seconds(fn, reps: int, rounds: int = 5) -> float:

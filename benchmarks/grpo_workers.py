@@ -72,14 +72,10 @@ def environment(model_dir: str | Path | None = None, packages: tuple[str, ...] =
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    cpu, flags = platform.processor() or platform.machine(), set()
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            cpu = value.strip()
-        elif key.strip() == "flags":
-            flags = set(value.split())
+    from tamer.memory import cpu_info
+    fields = cpu_info()
+    cpu = fields.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
     out = {"packages": versions, "cpu": cpu, "cpu_flags": [f for f in CPU_FLAGS if f in flags],
            "python": platform.python_version()}
     if model_dir is not None:

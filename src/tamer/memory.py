@@ -3,6 +3,7 @@
     current_rss_mb()   # VmRSS
     peak_rss_mb()      # VmHWM: the high-water mark since the process started
     available_mb()     # MemAvailable, or less under a cgroup (container) limit; None where unknown
+    cpu_info()         # /proc/cpuinfo's fields (model name, flags, ...); {} where unreadable
     cpu_vendor()       # GenuineIntel, AuthenticAMD, ...: which CPU kernels pay off (fast_forward.MKL_PACKED)
 
 Read from /proc/self/status on Linux (getrusage elsewhere). A process's peak is its own:
@@ -58,14 +59,21 @@ def available_mb(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sy
     return min(found) if found else None
 
 
-def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
-    """The CPU's `vendor_id` (`GenuineIntel`, `AuthenticAMD`, ...) from /proc/cpuinfo; None where it
-    is not readable (not Linux, or an architecture whose cpuinfo has no such line)."""
+def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, str]:
+    """The `key : value` fields of /proc/cpuinfo (`vendor_id`, `model name`, `flags`, ...; the last
+    processor's where they repeat); {} where it is not readable (not Linux)."""
+    fields = {}
     try:
         for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "vendor_id":
-                return value.strip()
+            key, sep, value = line.partition(":")
+            if sep:
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return None
+    return fields
+
+
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The CPU's `vendor_id` (`GenuineIntel`, `AuthenticAMD`, ...); None where /proc/cpuinfo is not
+    readable or has no such line (not Linux, or an architecture without it)."""
+    return cpu_info(cpuinfo).get("vendor_id")
