@@ -166,5 +166,9 @@ def test_the_1m_estimate_is_within_15_percent_of_measured_peak_rss(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
     from memory_plan import measure
 
-    result = measure("1m", steps=2, threads=1, output_dir=str(tmp_path))
-    assert abs(result["error_pct"]) < 15, result
+    # One run's peak RSS moves by up to ~20% around the estimate (703-869 MB over 9 runs of the
+    # same code, docs/memory_plan.md: the allocator's heap, not the model); the median of 3 does not.
+    results = sorted((measure("1m", steps=2, threads=1, output_dir=str(tmp_path / str(i))) for i in range(3)),
+                     key=lambda r: r["measured_peak_rss_mb"])
+    median = results[1]
+    assert abs(median["error_pct"]) < 15, [r["measured_peak_rss_mb"] for r in results]
