@@ -13,6 +13,7 @@ agree).
 from __future__ import annotations
 
 import functools
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -92,6 +93,11 @@ def _weights_digest(files: tuple[tuple[str, int, int], ...]) -> str:
     for path, _, _ in files:
         digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:16]
+
+
+def minor_faults() -> int:
+    """Page faults this process has taken so far that needed no disk read (fresh or reclaimed pages)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def peak_rss_mb() -> float:
@@ -184,7 +190,7 @@ def evaluator(spec: dict, tokenizer, heldout):
 
 
 def summarize(spec: dict, step_seconds: list[float], cpu_seconds: list[float], generated: list[int], phases: list[dict],
-              **extra) -> dict:
+              faults: list[int], **extra) -> dict:
     """The run's figures; `cpu_seconds` is process CPU time per step (all threads), which load from
     other processes inflates far less than wall-clock time (at one thread: the work done)."""
     import torch
@@ -194,6 +200,7 @@ def summarize(spec: dict, step_seconds: list[float], cpu_seconds: list[float], g
                     if phases else {})
     return {"s_per_step": statistics.median(timed), "step_seconds": [round(s, 4) for s in step_seconds],
             "cpu_s_per_step": statistics.median(cpu_seconds[spec["warmup"]:]),
+            "page_faults_per_step": statistics.median(faults[spec["warmup"]:]),
             "gen_tokens_per_s": gen_tokens / sum(timed), "generated_tokens_per_step": gen_tokens / len(timed),
             "peak_rss_mb": peak_rss_mb(), "profile_s": phase_median, "threads": torch.get_num_threads(), **extra}
 
@@ -237,12 +244,13 @@ def run_tamer(spec: dict) -> dict:
     seconds, generated, phases, curve, learner_tokens, clock, trace = [], [], [], [], [], 0.0, []
     if evaluate:
         curve.append((0, 0.0, evaluate(model)))
-    cpu = []
+    cpu, faults = [], []
     for step in range(1, spec["total_steps"] + 1):
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start, faults_start = time.perf_counter(), time.process_time(), minor_faults()
         metrics = trainer.train_step()
         seconds.append(time.perf_counter() - start)
         cpu.append(time.process_time() - cpu_start)
+        faults.append(minor_faults() - faults_start)
         clock += seconds[-1]
         generated.append(int(metrics["tokens/generated"]))
         learner_tokens.append((metrics["tokens/learner"], metrics["tokens/prefill"]))
@@ -260,7 +268,7 @@ def run_tamer(spec: dict) -> dict:
     shapes = [(1024, 1024, 1024),
               (spec["prompts_per_step"] * spec["group_size"] * 48, cfg.hidden_size, cfg.intermediate_size)]
     rates = matmul_gflops(spec["precision"], shapes) if not spec["eval_every"] else [{"gflops": float("nan")}] * 2
-    return summarize(spec, seconds, cpu, generated, phases, model_params=params, curve=curve, trace=trace,
+    return summarize(spec, seconds, cpu, generated, phases, faults, model_params=params, curve=curve, trace=trace,
                      achieved_gflops=achieved, matmul_gflops_1024=rates[0]["gflops"],
                      matmul_gflops_model_shape=rates[1]["gflops"], matmul_layouts=[r.get("all") for r in rates],
                      model_matmul_shape=list(shapes[1]), fast_forward=getattr(trainer.engine, "fast", None) is not None,
@@ -325,7 +333,7 @@ def run_trl(spec: dict) -> dict:
     _time_trl_phases(trainer, timer)
     evaluate = evaluator(spec, tokenizer, heldout) if spec["eval_every"] else None
     state = {"last": None, "clock": 0.0, "checkpointing": None}
-    seconds, cpu, phases, curve = [], [], [], []
+    seconds, cpu, phases, curve, faults = [], [], [], [], []
 
     class Clock(TrainerCallback):  # step time = between consecutive step ends, evaluation excluded
         def on_train_begin(self, *a, **k):
@@ -335,24 +343,25 @@ def run_trl(spec: dict) -> dict:
                 raise RuntimeError(f"TRL's model runs activation checkpointing in {state['checkpointing']} modules")
             if evaluate:
                 curve.append((0, 0.0, evaluate(trainer.model)))
-            state["last"], state["cpu"] = time.perf_counter(), time.process_time()
+            state["last"], state["cpu"], state["faults"] = time.perf_counter(), time.process_time(), minor_faults()
 
         def on_step_end(self, _args, train_state, *a, **k):
             now = time.perf_counter()
             seconds.append(now - state["last"])
             cpu.append(time.process_time() - state["cpu"])
+            faults.append(minor_faults() - state["faults"])
             state["clock"] += seconds[-1]
             phases.append(dict(timer))
             timer.clear()
             if evaluate and train_state.global_step % spec["eval_every"] == 0:
                 curve.append((train_state.global_step, state["clock"], evaluate(trainer.model)))
-            state["last"], state["cpu"] = time.perf_counter(), time.process_time()
+            state["last"], state["cpu"], state["faults"] = time.perf_counter(), time.process_time(), minor_faults()
 
     trainer.add_callback(Clock())
     trainer.train()
     trace = [(log["reward"], log["grad_norm"]) for log in trainer.state.log_history
              if "grad_norm" in log and "reward" in log]
-    return summarize(spec, seconds, cpu, generated, phases, model_params=count_parameters(model), curve=curve,
+    return summarize(spec, seconds, cpu, generated, phases, faults, model_params=count_parameters(model), curve=curve,
                      trace=trace, trl_version=__import__("trl").__version__,
                      gradient_checkpointing=bool(state["checkpointing"]),
                      use_bias_correction_kl=args.use_bias_correction_kl)

@@ -373,7 +373,7 @@ def compare(args, data: dict, tmp: Path) -> None:
                "tokens_per_cpu_s": round(statistics.median(r["tokens_per_cpu_s"] for r in results), 1),
                "s_per_step": round(statistics.median(r["s_per_step"] for r in results), 4),
                "tokens_per_step": round(results[0]["tokens_per_step"], 1), "losses": results[0]["losses"]}
-        row.update({k: results[0][k] for k in ("gradient_checkpointing", "trl_version", "lean_forward")
+        row.update({k: results[0][k] for k in ("gradient_checkpointing", "trl_version", "lean_forward", "malloc")
                     if k in results[0]})
         print(json.dumps(row), flush=True)
     tamer = runs[f"tamer:{args.tamer_layouts[0]}"]
@@ -430,7 +430,10 @@ def main() -> None:
         parser.error("--block-steps: one --tamer-layouts and one --trl-layouts, and the timed steps "
                      "(--steps minus --warmup) a multiple of it")
     if args.worker:
-        print(json.dumps((run_tamer if args.worker == "tamer" else run_trl)(json.loads(args.spec))), flush=True)
+        from tamer.memory import keep_freed_memory
+        malloc = keep_freed_memory()  # both sides: the allocator settings tamer's trainers set for themselves
+        result = (run_tamer if args.worker == "tamer" else run_trl)(json.loads(args.spec))
+        print(json.dumps({**result, "malloc": malloc}), flush=True)
         return
     with tempfile.TemporaryDirectory(prefix="sft_vs_trl_") as tmp:
         compare(args, prepare(args.task, Path(tmp), args.seed, args.set), Path(tmp))

@@ -105,6 +105,9 @@ def speed_row(size: str, path: str, spec: dict, tamer: list[dict], trl: list[dic
         "trl_gradient_checkpointing": any(r["gradient_checkpointing"] for r in trl),
         "trl_use_bias_correction_kl": trl[0]["use_bias_correction_kl"],
         "tamer_fast_forward": tamer[0]["fast_forward"],
+        "tamer_malloc": tamer[0].get("malloc"), "trl_malloc": trl[0].get("malloc"),
+        "tamer_page_faults_per_step": _median(tamer, "page_faults_per_step"),
+        "trl_page_faults_per_step": _median(trl, "page_faults_per_step"),
         "tamer_gen_tokens_per_s": round(_median(tamer, "gen_tokens_per_s"), 1),
         "trl_gen_tokens_per_s": round(_median(trl, "gen_tokens_per_s"), 1),
         "tamer_generated_tokens_per_step": _median(tamer, "generated_tokens_per_step"),
@@ -220,7 +223,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         from grpo_workers import run_tamer, run_trl
-        print(json.dumps((run_tamer if args.worker == "tamer" else run_trl)(json.loads(args.spec))), flush=True)
+        from tamer.memory import keep_freed_memory
+        malloc = keep_freed_memory()  # both sides: the allocator settings tamer's trainers set for themselves
+        result = (run_tamer if args.worker == "tamer" else run_trl)(json.loads(args.spec))
+        print(json.dumps({**result, "malloc": malloc}), flush=True)
         return
     if args.summarize:
         args.out = args.summarize

@@ -294,3 +294,21 @@ def test_environment_names_versions_cpu_and_model_digest(tmp_path):
     assert environment(tmp_path)["model_sha256"] != first["model_sha256"]
     bare = environment(packages=("torch", "no-such-package"))  # benchmarks/engines.py: no model, its packages
     assert "model_sha256" not in bare and bare["packages"] == {"torch": torch.__version__, "no-such-package": None}
+
+
+@pytest.mark.slow
+def test_page_faults_smoke(tmp_path):
+    """The kept/system A/B runs tamer's worker once per setting and says which allocator setting each had."""
+    import json
+    import subprocess
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "page_faults.py"), "--size", "1m", "--pairs", "1",
+                          "--steps", "4", "--warmup", "2", "--threads", "1"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    *runs, summary = [json.loads(line) for line in out.stdout.strip().splitlines()]
+    assert [(r["setting"], r["malloc"]) for r in runs] == [("kept", "set"), ("system", "off")]
+    kept, system = runs
+    assert kept["s_per_step"] > 0 and system["s_per_step"] > 0
+    # glibc's defaults fault pages in again at every step (thousands); kept, the heap stops growing
+    assert system["page_faults_per_step"] > 1000 and kept["page_faults_per_step"] < system["page_faults_per_step"] / 2
+    assert summary["pairs"] == 1 and summary["ratio_min"] == summary["ratio_max"] > 0

@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from tamer.memory import keep_freed_memory
 from tamer.models.fast_forward import FastDecoder
 from tamer.models.precision import autocast, cache_keyword, intra_op_threads
 from tamer.rollout.prefix_cache import PrefixEntry, PrefixStore
@@ -142,6 +143,7 @@ class HFEngine:
     def __init__(self, model: PreTrainedModel, pad_token_id: int, *, max_batch: int = 256,
                  precision: str = "fp32", fast: bool = True, threads: int = 0) -> None:
         autocast(precision)  # validates the name
+        keep_freed_memory()  # freed tensors' memory reused, not faulted in again at every call (tamer.memory)
         if threads < 0:
             raise ValueError(f"threads: expected >= 0 (0 = the process's setting), got {threads}")
         self.threads = threads

@@ -32,6 +32,7 @@ from transformers import (
 from tamer.algorithms.preference import CalibrationReport, bradley_terry_loss, calibration
 from tamer.config import FieldError
 from tamer.learned_rewards.reward_model import encode_texts, pad_right, preference_text, reward_forward
+from tamer.memory import keep_freed_memory
 from tamer.models import load_tokenizer, quiet_progress
 from tamer.tasks.preferences import PreferenceDataConfig, PreferencePair
 from tamer.trainers.common import OptimConfig, clip_and_step, make_optimizer, make_scheduler
@@ -142,6 +143,7 @@ class RewardModelTrainer:
                  heldout_pairs: list[PreferencePair], config: RewardModelConfig) -> None:
         if not train_pairs or not heldout_pairs:
             raise ValueError("reward-model training needs training and held-out pairs")
+        keep_freed_memory()  # freed tensors' memory reused, not faulted in again each step (tamer.memory)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.train_data = encode_pairs(tokenizer, train_pairs, config.max_length)
         self.heldout_data = encode_pairs(tokenizer, heldout_pairs, config.max_length)

@@ -57,6 +57,7 @@ from tamer.algorithms.mismatch import truncated_importance_weights
 from tamer.checkpoint import load_checkpoint, save_checkpoint
 from tamer.config import FieldError, check_name
 from tamer.evaluate import EvalConfig, evaluate
+from tamer.memory import keep_freed_memory
 from tamer.models import (
     PRECISIONS,
     AdapterFreeView,
@@ -240,6 +241,7 @@ class RLTrainer:
         rollout: Rollout | None = None,
         learner: Learner | None = None,
     ) -> None:
+        keep_freed_memory()  # freed tensors' memory reused, not faulted in again each step (tamer.memory)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.heldout, self.rewards, self.eval_config = heldout_tasks, rewards, eval_config
         self.run_dir, self.tracker = Path(run_dir), tracker

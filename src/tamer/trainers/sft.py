@@ -28,6 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from tamer.checkpoint import load_checkpoint, save_checkpoint
 from tamer.config import FieldError
+from tamer.memory import keep_freed_memory
 from tamer.models import encode_chat
 from tamer.models.fast_forward import FastDecoder
 from tamer.progress import report_progress
@@ -140,6 +141,7 @@ class SFTTrainer:
                  data: list[Example], config: SFTConfig, run_dir: str | Path | None = None) -> None:
         if not data:
             raise ValueError("SFT needs at least one demonstration")
+        keep_freed_memory()  # freed tensors' memory reused, not faulted in again each step (tamer.memory)
         self.model, self.tokenizer, self.data, self.config = model, tokenizer, data, config
         self.run_dir = Path(run_dir) if run_dir is not None else None
         fast = FastDecoder.for_model(model) if config.padding_free else None
