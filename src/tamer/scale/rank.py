@@ -34,6 +34,10 @@ def rank_main(spec_path: str) -> int:
             code = stop.exit_code
     if learner.is_main:
         write_json(spec["result"], result)
+    if code == 0:  # a finished run: every rank is alive (a stopped one may have lost a peer)
+        # Rank 0 evaluates and saves last, alone: a rank that tore its process group down meanwhile
+        # could abort in gloo's teardown (seen in CI: "terminate called without an active exception").
+        dist.barrier()
     dist.destroy_process_group()
     return code
 
