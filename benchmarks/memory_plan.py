@@ -48,6 +48,7 @@ def measure(name: str, steps: int, threads: int, output_dir: str) -> dict:
             "reference": setup.reference, "prompt_tokens": setup.prompt_tokens,
             "completion_tokens": setup.completion_tokens, "estimate_mb": round(plan.peak_mb, 1),
             "measured_peak_rss_mb": round(measured, 1), "baseline_rss_mb": round(result["baseline_rss_mb"], 1),
+            "rss_parts_at_end_mb": result.get("rss_parts_mb"),
             "error_pct": round(100 * (plan.peak_mb - measured) / measured, 1), "estimate": plan.to_dict(),
             "step_seconds": [round(s, 2) for s in result["step_seconds"]], "models_held": result["models_held"]}
 

@@ -1,15 +1,20 @@
-"""tamer's GRPO step (the `vs_trl.py` speed spec) with and without MKL-packed decode weights, alternated in one process.
+"""tamer's GRPO step (the `vs_trl.py` speed spec) with one decode setting on and off, alternated in one process.
 
-    python benchmarks/packed_decode.py --size 20m --pairs 12
+    python benchmarks/packed_decode.py --size 20m --pairs 12                          # MKL-packed weights
+    python benchmarks/packed_decode.py --size 20m --pairs 12 --switch mlp_transposed  # MLP on h.T
 
-On Intel CPUs `FastDecoder` runs its float32 decode matmuls on weights packed once per `generate`
-(`torch.ops.mkl._mkl_linear`) when the model's weights are large enough. This script builds the
-benchmark model, warms an `RLTrainer` up, then runs `--pairs` pairs of `train_step()` with packing
-on and off (`fast_forward.MKL_PACKED`, on any CPU), the order reversed every other pair, all in
-one process: a slow spell of the machine falls on both alike. One JSON line: per setting the
-median step and generation seconds and their range, and the per-pair ratio packed / unpacked
-(median, min, max).
-Peak memory needs one process per setting (`memory_plan.py` measures the whole step's).
+The settings are `FastDecoder`'s float32 decode switches in `models/fast_forward.py`:
+
+* `packed` (`MKL_PACKED`, on by default on Intel CPUs): decode matmuls on weights packed once per
+  `generate` (`torch.ops.mkl._mkl_linear`) when the model's weights are large enough;
+* `mlp_transposed` (`MLP_TRANSPOSED`, on by default): the MLP as W_gu @ h.T with the activation
+  on (I, B), the weights as the left operand of the few-row matmuls.
+
+This script builds the benchmark model, warms an `RLTrainer` up, then runs `--pairs` pairs of
+`train_step()` with the setting on and off (on any CPU), the order reversed every other pair, all
+in one process: a slow spell of the machine falls on both alike. One JSON line: per setting the
+median step and generation seconds and their range, and the per-pair ratio on / off (median,
+min, max). Peak memory needs one process per setting (`memory_plan.py` measures the whole step's).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpo_workers import SIZES, SPEED, build_model, environment, load, tamer_trainer, tasks_for
 
+SWITCHES = {"packed": "MKL_PACKED", "mlp_transposed": "MLP_TRANSPOSED"}  # --switch -> models/fast_forward.py
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -32,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pairs", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--switch", default="packed", choices=sorted(SWITCHES))
     args = parser.parse_args(argv)
     import tamer.models.fast_forward as ff
 
@@ -44,28 +52,31 @@ def main(argv: list[str] | None = None) -> None:
     trainer = tamer_trainer(spec, model, tokenizer, prompts, heldout)
     for _ in range(args.warmup):
         trainer.train_step()
-    available, default = ff.MKL_PACKED_AVAILABLE, ff.MKL_PACKED  # without MKL both settings run F.linear
+    name = SWITCHES[args.switch]
+    default = getattr(ff, name)
+    available = ff.MKL_PACKED_AVAILABLE if args.switch == "packed" else True  # without MKL both runs are F.linear
     steps, generate = {True: [], False: []}, {True: [], False: []}
     for pair in range(args.pairs):
-        for packed in ((True, False) if pair % 2 == 0 else (False, True)):
-            ff.MKL_PACKED = available and packed
+        for on in ((True, False) if pair % 2 == 0 else (False, True)):
+            setattr(ff, name, available and on)
             start = time.perf_counter()
             metrics = trainer.train_step()
-            steps[packed].append(time.perf_counter() - start)
-            generate[packed].append(metrics["time/generate_s"])
-    fast = trainer.engine.fast
-    ff.MKL_PACKED = available
-    packs_apply = fast is not None and fast._packable_mb() > 0  # whether the packed runs packed anything
-    ff.MKL_PACKED = default
+            steps[on].append(time.perf_counter() - start)
+            generate[on].append(metrics["time/generate_s"])
+    extra = {}
+    if args.switch == "packed":
+        ff.MKL_PACKED = available
+        fast = trainer.engine.fast
+        extra = {"mkl_available": available, "packs_apply": fast is not None and fast._packable_mb() > 0}
+    setattr(ff, name, default)
     ratios = [a / b for a, b in zip(steps[True], steps[False])]
 
     def summary(xs: list[float]) -> dict:
         return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
     print(json.dumps({
-        "size": args.size, "pairs": args.pairs, "threads": args.threads, "mkl_available": available,
-        "packs_apply": packs_apply, "packed_by_default": default,
-        "packed_step_s": summary(steps[True]), "unpacked_step_s": summary(steps[False]),
-        "packed_generate_s": summary(generate[True]), "unpacked_generate_s": summary(generate[False]),
+        "size": args.size, "switch": args.switch, "pairs": args.pairs, "threads": args.threads, **extra,
+        "on_by_default": default, "on_step_s": summary(steps[True]), "off_step_s": summary(steps[False]),
+        "on_generate_s": summary(generate[True]), "off_generate_s": summary(generate[False]),
         "ratio": summary(ratios), "environment": environment(model_dir)}), flush=True)
 
 

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_stats import ratio_summary
 from grpo_workers import SIZES, SPEED, build_model
 from vs_trl import worker
 
@@ -47,17 +48,16 @@ def run(setting: str, spec: dict) -> dict:
 
 def summary(runs: list[dict]) -> dict:
     by = {s: [r for r in runs if r["setting"] == s] for s in SETTINGS}
-    ratios = [k["s_per_step"] / s["s_per_step"] for k, s in zip(by["kept"], by["system"])]
-    cpu_ratios = [k["cpu_s_per_step"] / s["cpu_s_per_step"] for k, s in zip(by["kept"], by["system"])]
-    return {"summary": True, "pairs": len(ratios),
+    wall = ratio_summary([r["s_per_step"] for r in by["kept"]], [r["s_per_step"] for r in by["system"]], None)
+    cpu = ratio_summary([r["cpu_s_per_step"] for r in by["kept"]], [r["cpu_s_per_step"] for r in by["system"]], None)
+    return {"summary": True, "pairs": len(wall["ratios"]),
             **{f"{s}_s_per_step": statistics.median(r["s_per_step"] for r in rs) for s, rs in by.items()},
             **{f"{s}_cpu_s_per_step": statistics.median(r["cpu_s_per_step"] for r in rs) for s, rs in by.items()},
             **{f"{s}_page_faults_per_step": statistics.median(r["page_faults_per_step"] for r in rs)
                for s, rs in by.items()},
             **{f"{s}_peak_rss_mb": max(r["peak_rss_mb"] for r in rs) for s, rs in by.items()},
-            "ratio_median": round(statistics.median(ratios), 3), "ratio_min": round(min(ratios), 3),
-            "ratio_max": round(max(ratios), 3), "cpu_ratio_median": round(statistics.median(cpu_ratios), 3),
-            "cpu_ratio_min": round(min(cpu_ratios), 3), "cpu_ratio_max": round(max(cpu_ratios), 3)}
+            **{k: wall[k] for k in ("ratio_median", "ratio_min", "ratio_max")},
+            **{f"cpu_{k}": cpu[k] for k in ("ratio_median", "ratio_min", "ratio_max")}}
 
 
 def main() -> None:

@@ -211,18 +211,24 @@ def test_sft_vs_trl_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_packed_decode_smoke(tmp_path):
-    """The packed/unpacked A/B runs both settings in one process and reports their ratio (1m: nothing packs)."""
+@pytest.mark.parametrize("switch", ["packed", "mlp_transposed"])
+def test_packed_decode_smoke(tmp_path, switch):
+    """The on/off A/B of a decode setting runs both in one process and reports their ratio (1m: nothing packs)."""
     import json
     import subprocess
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "packed_decode.py"), "--size", "1m", "--pairs", "2",
-                          "--warmup", "1", "--threads", "1"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                          "--warmup", "1", "--threads", "1", "--switch", switch],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads(out.stdout.strip().splitlines()[-1])
-    assert row["pairs"] == 2 and row["packs_apply"] is False  # 1m: below PACK_MIN_WEIGHTS
+    assert row["pairs"] == 2 and row["switch"] == switch
     from tamer.models import fast_forward
-    assert row["packed_by_default"] is fast_forward.MKL_PACKED  # this CPU's default, restored after the pairs
-    assert row["ratio"]["min"] > 0 and row["packed_step_s"]["median"] > 0
+    if switch == "packed":
+        assert row["packs_apply"] is False  # 1m: below PACK_MIN_WEIGHTS
+        assert row["on_by_default"] is fast_forward.MKL_PACKED  # this CPU's default, restored after the pairs
+    else:
+        assert row["on_by_default"] is True
+    assert row["ratio"]["min"] > 0 and row["on_step_s"]["median"] > 0 and row["off_generate_s"]["median"] > 0
 
 
 @pytest.mark.slow

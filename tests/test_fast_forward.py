@@ -115,6 +115,36 @@ def test_bf16_snapshot_is_bitwise_autocast_of_fp32_snapshot(tokenizer, arch):
     assert cast.layers[0].o_w is model.model.layers[0].self_attn.o_proj.weight
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_decode_mlp_on_transposed_activations_equals_the_row_major_one(tokenizer, arch, monkeypatch):
+    """`MLP_TRANSPOSED` (the default): the float32 decode MLP runs as W_gu @ h.T with the activation
+    on (I, B); same logits and KV as with it off (and as HF, test above), over several decode steps."""
+    model = _model(tokenizer, arch)
+    shapes = []
+    original = fast_forward.activate
+    monkeypatch.setattr(fast_forward, "activate", lambda x, act: shapes.append(tuple(x.shape)) or original(x, act))
+    ids, mask = _left_pad(PROMPTS, tokenizer.pad_token_id)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    full = torch.ones(len(PROMPTS), ids.shape[1] + 5, dtype=torch.bool)
+    full[:, :ids.shape[1]] = mask.bool()
+    runs = {}
+    for transposed in (True, False):
+        monkeypatch.setattr(fast_forward, "MLP_TRANSPOSED", transposed)
+        fast = FastDecoder.for_model(model)
+        with torch.inference_mode():
+            _, kv = fast.prefill(ids, mask, positions, extra=5)
+            shapes.clear()
+            last, out = positions[:, -1], []
+            for token in range(4):
+                last = last + 1
+                out.append(fast.decode(torch.full((len(PROMPTS),), 30 + token), last, kv, full))
+        runs[transposed] = (torch.stack(out), kv)
+        assert set(shapes) == {(128, len(PROMPTS)) if transposed else (len(PROMPTS), 128)}
+    torch.testing.assert_close(runs[True][0], runs[False][0], atol=1e-6, rtol=1e-6)
+    for a, b in zip(runs[True][1].layers, runs[False][1].layers):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.skipif(not fast_forward.MKL_PACKED_AVAILABLE, reason="torch built without MKL")
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_packed_decode_matches_hf(tokenizer, arch, monkeypatch):

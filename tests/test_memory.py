@@ -60,3 +60,16 @@ def test_a_users_glibc_tunables_win():
     tuned = _run(1, GLIBC_TUNABLES="glibc.malloc.mmap_threshold=1048576")
     assert tuned["results"] == ["off"]
     assert tuned["mmapped_mb"] >= 24, tuned  # the user's 1 MiB threshold, not tamer's 32 MiB
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_rss_parts_add_up_to_the_rss_and_a_new_tensor_is_anonymous():
+    import torch
+
+    from tamer.memory import current_rss_mb, rss_parts_mb
+    before = rss_parts_mb()
+    assert abs(sum(before.values()) - current_rss_mb()) < 8  # the kernel's three counters make VmRSS
+    x = torch.ones(16 << 20)  # 64 MiB, written: resident
+    grown = rss_parts_mb()["anon"] - before["anon"]
+    del x
+    assert 60 < grown < 72

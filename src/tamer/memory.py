@@ -39,6 +39,12 @@ def current_rss_mb() -> float:
     return value if value is not None else peak_rss_mb()
 
 
+def rss_parts_mb() -> dict[str, float | None]:
+    """This process's resident memory now, by kind (MB): `anon` (heap, tensors), `file` (mapped
+    libraries and files), `shmem`; what a peak RSS that moves between runs of the same work is made of."""
+    return {kind.lower(): _proc_status_mb(f"Rss{kind}") for kind in ("Anon", "File", "Shmem")}
+
+
 def peak_rss_mb() -> float:
     """Peak resident set size of this process so far (VmHWM), in MB."""
     value = _proc_status_mb("VmHWM")
@@ -87,7 +93,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 << 20  # glibc's largest M_MMAP_THRESHOLD on 64-bit: blocks up to 32 MiB come from the heap
 TRIM_THRESHOLD = 1 << 30  # free memory at the heap's top is returned to the OS only past 1 GiB
 MALLOC_ENV = "TAMER_MALLOC"  # "system": leave malloc as it is
-_malloc_state: dict[str, object] = {}
+_malloc_result: str | None = None  # the first call's result
 
 
 def keep_freed_memory() -> str:
@@ -106,11 +112,11 @@ def keep_freed_memory() -> str:
     already sets a malloc tunable: the user's choice wins) or "unavailable" (no glibc).
     Once per process; later calls return the first call's result ("already set" when it was "set").
     """
-    if "result" in _malloc_state:
-        return "already set" if _malloc_state["result"] == "set" else str(_malloc_state["result"])
-    result = _set_malloc_options()
-    _malloc_state["result"] = result
-    return result
+    global _malloc_result
+    if _malloc_result is not None:
+        return "already set" if _malloc_result == "set" else _malloc_result
+    _malloc_result = _set_malloc_options()
+    return _malloc_result
 
 
 def _set_malloc_options() -> str:

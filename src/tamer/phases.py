@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tamer.config import from_dict, import_plugins, to_dict
-from tamer.memory import current_rss_mb, peak_rss_mb
+from tamer.memory import current_rss_mb, peak_rss_mb, rss_parts_mb
 from tamer.models import count_parameters, save_model
 from tamer.pipeline import RunConfig, build_policy, evaluate_model, make_trainer, run_sft, tracker_for
 from tamer.tasks import get_task_source
@@ -119,7 +119,8 @@ def child_main(spec_path: str) -> None:
     start = time.perf_counter()
     phase = {"sft": _phase_sft, "eval": _phase_eval, "rl": _phase_rl}[spec["phase"]]
     result = phase(config, spec["measure_steps"])
-    result.update({"seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(), "baseline_rss_mb": baseline})
+    result.update({"seconds": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(), "baseline_rss_mb": baseline,
+                   "rss_parts_mb": rss_parts_mb()})
     Path(spec["result"]).write_text(json.dumps(result, default=str))
 
 

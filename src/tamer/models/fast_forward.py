@@ -112,6 +112,12 @@ MKL_PACKED_AVAILABLE = torch.backends.mkl.is_available() and hasattr(torch.ops.m
 # 1.05 on an AMD EPYC (AVX-512), whose generation phase took 0.69 s packed against 0.61 s plain
 # (docs/performance.md). Set it to True or False to override.
 MKL_PACKED = MKL_PACKED_AVAILABLE and cpu_vendor() == "GenuineIntel"
+# Whether unpacked float32 decode runs the MLP on transposed activations (W_gu @ h.T, then the down
+# projection on act.T as a view): with the weight as the left operand the few-row matmuls run
+# faster. Measured with benchmarks/packed_decode.py --switch mlp_transposed on an AMD EPYC (the 20M
+# benchmark step, on / off, 12 alternated pairs): generation 0.66 vs 0.77 s, step ratio 0.94
+# (docs/performance.md, item 13 of "What tamer does to be fast"). Set it to False to compare.
+MLP_TRANSPOSED = True
 # Smaller weights stay on `F.linear`: at 1M parameters (128 x 1024 at most) packing them at every
 # `generate` costs about what their faster decode matmuls save (measured: 0.057 vs 0.055 s per
 # generate of the 1m benchmark model, packed vs not).
@@ -543,11 +549,19 @@ class FastDecoder:
             else:
                 x = self._residual(x, _dense(attn, layer.o_w, layer.o_b, p_o), layer.post_attn)
             h = self._norm(x, layer.ln2)
-            gate, up = _dense(h, layer.gu_w, None, p_gu).chunk(2, dim=-1)
-            act = activate(gate, self.arch.act) * up
-            if fuse and plain and p_down is None:
-                x = torch.addmm(x, act, layer.down_w.t())
+            if fuse and plain and MLP_TRANSPOSED and p_gu is None and p_down is None:
+                # The MLP on transposed activations: (2I, B) = W_gu @ h.T, so that the weights are the
+                # left operand, and the down projection reads act.T as a transposed view; the same
+                # products as `F.linear`, faster at few rows (MLP_TRANSPOSED's comment).
+                gu, inter = torch.mm(layer.gu_w, h.t()), layer.down_w.shape[1]
+                act = activate(gu[:inter], self.arch.act) * gu[inter:]
+                x = torch.addmm(x, act.t(), layer.down_w.t())
             else:
-                x = self._residual(x, _dense(act, layer.down_w, None, p_down), layer.post_ffn)
+                gate, up = _dense(h, layer.gu_w, None, p_gu).chunk(2, dim=-1)
+                act = activate(gate, self.arch.act) * up
+                if fuse and plain and p_down is None:
+                    x = torch.addmm(x, act, layer.down_w.t())
+                else:
+                    x = self._residual(x, _dense(act, layer.down_w, None, p_down), layer.post_ffn)
         cache.length = end
         return softcap(_dense(self._norm(x, self.norm), self.head, None, head), self.arch.final_softcap)
