@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_stats import ratio_summary
 from grpo_workers import SIZES, SPEED, build_model, environment, load, tamer_trainer, tasks_for
 
 SWITCHES = {"packed": "MKL_PACKED", "mlp_transposed": "MLP_TRANSPOSED"}  # --switch -> models/fast_forward.py
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         fast = trainer.engine.fast
         extra = {"mkl_available": available, "packs_apply": fast is not None and fast._packable_mb() > 0}
     setattr(ff, name, default)
-    ratios = [a / b for a, b in zip(steps[True], steps[False])]
+    ratios = ratio_summary(steps[True], steps[False], None)
 
     def summary(xs: list[float]) -> dict:
         return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
@@ -77,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         "size": args.size, "switch": args.switch, "pairs": args.pairs, "threads": args.threads, **extra,
         "on_by_default": default, "on_step_s": summary(steps[True]), "off_step_s": summary(steps[False]),
         "on_generate_s": summary(generate[True]), "off_generate_s": summary(generate[False]),
-        "ratio": summary(ratios), "environment": environment(model_dir)}), flush=True)
+        "ratio": {k: ratios[f"ratio_{k}"] for k in ("median", "min", "max")},
+        "environment": environment(model_dir)}), flush=True)
 
 
 if __name__ == "__main__":

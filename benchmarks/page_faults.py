@@ -30,16 +30,8 @@ SETTINGS = {"kept": None, "system": "system"}  # -> TAMER_MALLOC
 
 
 def run(setting: str, spec: dict) -> dict:
-    """One tamer worker run with TAMER_MALLOC set for `setting`."""
-    saved = os.environ.pop("TAMER_MALLOC", None)
-    try:
-        if SETTINGS[setting] is not None:
-            os.environ["TAMER_MALLOC"] = SETTINGS[setting]
-        result = worker("tamer", spec)
-    finally:
-        os.environ.pop("TAMER_MALLOC", None)
-        if saved is not None:
-            os.environ["TAMER_MALLOC"] = saved
+    """One tamer worker run with TAMER_MALLOC set for `setting` (unset for `kept`)."""
+    result = worker("tamer", spec, {"TAMER_MALLOC": SETTINGS[setting]})
     return {"setting": setting, "malloc": result["malloc"], "s_per_step": round(result["s_per_step"], 4),
             "cpu_s_per_step": round(result["cpu_s_per_step"], 4),
             "page_faults_per_step": result["page_faults_per_step"], "peak_rss_mb": round(result["peak_rss_mb"], 1),

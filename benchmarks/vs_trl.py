@@ -33,10 +33,18 @@ from bench_stats import learning_summary, ratio_summary
 from grpo_workers import LEARNING, SIZES, SPEED, build_model, environment
 
 
-def worker(kind: str, spec: dict) -> dict:
-    """Run one trainer in a fresh subprocess; its last stdout line is the JSON result."""
+def worker(kind: str, spec: dict, env_changes: dict[str, str | None] | None = None) -> dict:
+    """Run one trainer in a fresh subprocess; its last stdout line is the JSON result.
+
+    `env_changes`: variables set for the subprocess only (None: removed from its environment).
+    """
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
+    for name, value in (env_changes or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)],
                           capture_output=True, text=True, env=env)
     if proc.returncode != 0:
