@@ -253,7 +253,7 @@ def run_tamer(spec: dict) -> dict:
         faults.append(minor_faults() - faults_start)
         clock += seconds[-1]
         generated.append(int(metrics["tokens/generated"]))
-        learner_tokens.append((metrics["tokens/learner"], metrics["tokens/prefill"]))
+        learner_tokens.append((metrics["tokens/learner"], metrics["tokens/prefill"], metrics["tokens/replayed"]))
         phases.append({k[5:-2]: v for k, v in metrics.items() if k.startswith("time/") and k not in
                        ("time/rollout_s", "time/update_s")})
         trace.append((metrics["reward/mean"], metrics["train/grad_norm"]))
@@ -261,8 +261,9 @@ def run_tamer(spec: dict) -> dict:
             curve.append((step, clock, evaluate(model)))
     params = count_parameters(model)
     w = spec["warmup"]
-    flops = [2 * params * (gen + prefill) + (6 + 2 * (spec["beta"] > 0)) * params * learn
-             for gen, (learn, prefill) in zip(generated, learner_tokens)]
+    # FLOPs done: a replayed token's learner forward projections are not (models/replay.py), 2P less
+    flops = [2 * params * (gen + prefill) + (6 + 2 * (spec["beta"] > 0)) * params * learn - 2 * params * replayed
+             for gen, (learn, prefill, replayed) in zip(generated, learner_tokens)]
     achieved = sum(flops[w:]) / sum(seconds[w:]) / 1e9
     cfg = model.config
     shapes = [(1024, 1024, 1024),
@@ -272,6 +273,7 @@ def run_tamer(spec: dict) -> dict:
                      achieved_gflops=achieved, matmul_gflops_1024=rates[0]["gflops"],
                      matmul_gflops_model_shape=rates[1]["gflops"], matmul_layouts=[r.get("all") for r in rates],
                      model_matmul_shape=list(shapes[1]), fast_forward=getattr(trainer.engine, "fast", None) is not None,
+                     replayed_tokens_per_step=statistics.median(r for _, _, r in learner_tokens[w:] or learner_tokens),
                      cpu_bf16_units=cpu_has_bf16_units())
 
 

@@ -1,19 +1,24 @@
-"""tamer's GRPO step (the `vs_trl.py` speed spec) with one decode setting on and off, alternated in one process.
+"""tamer's GRPO step (the `vs_trl.py` speed spec) with one setting on and off, alternated in one process.
 
     python benchmarks/packed_decode.py --size 20m --pairs 12                          # MKL-packed weights
     python benchmarks/packed_decode.py --size 20m --pairs 12 --switch mlp_transposed  # MLP on h.T
+    python benchmarks/packed_decode.py --size 20m --pairs 12 --switch replay          # sampler outputs reused
 
-The settings are `FastDecoder`'s float32 decode switches in `models/fast_forward.py`:
+The settings are `FastDecoder`'s float32 decode switches in `models/fast_forward.py` and one of the
+trainer's:
 
 * `packed` (`MKL_PACKED`, on by default on Intel CPUs): decode matmuls on weights packed once per
   `generate` (`torch.ops.mkl._mkl_linear`) when the model's weights are large enough;
 * `mlp_transposed` (`MLP_TRANSPOSED`, on by default): the MLP as W_gu @ h.T with the activation
-  on (I, B), the weights as the left operand of the few-row matmuls.
+  on (I, B), the weights as the left operand of the few-row matmuls;
+* `replay` (`rl.reuse_sampler_activations`, on by default): the learner takes the decode steps'
+  projection outputs instead of recomputing them (`models/replay.py`).
 
 This script builds the benchmark model, warms an `RLTrainer` up, then runs `--pairs` pairs of
 `train_step()` with the setting on and off (on any CPU), the order reversed every other pair, all
 in one process: a slow spell of the machine falls on both alike. One JSON line: per setting the
-median step and generation seconds and their range, and the per-pair ratio on / off (median,
+median step, generation and learner (forward + backward) seconds and their range, and the per-pair
+ratio on / off (median,
 min, max). Peak memory needs one process per setting (`memory_plan.py` measures the whole step's).
 """
 
@@ -31,7 +36,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_stats import ratio_summary
 from grpo_workers import SIZES, SPEED, build_model, environment, load, tamer_trainer, tasks_for
 
-SWITCHES = {"packed": "MKL_PACKED", "mlp_transposed": "MLP_TRANSPOSED"}  # --switch -> models/fast_forward.py
+SWITCHES = {"packed": "MKL_PACKED", "mlp_transposed": "MLP_TRANSPOSED",  # --switch -> models/fast_forward.py
+            "replay": "reuse_sampler_activations"}  # the trainer's RLConfig
+
+
+def _set(trainer, name: str, on: bool) -> None:
+    import tamer.models.fast_forward as ff
+
+    if hasattr(ff, name):
+        setattr(ff, name, on)
+    else:  # a field of the trainer's (frozen) RLConfig
+        object.__setattr__(trainer.config, name, on)
+
+
+def _get(trainer, name: str) -> bool:
+    import tamer.models.fast_forward as ff
+
+    return getattr(ff, name) if hasattr(ff, name) else getattr(trainer.config, name)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,22 +75,23 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.warmup):
         trainer.train_step()
     name = SWITCHES[args.switch]
-    default = getattr(ff, name)
+    default = _get(trainer, name)
     available = ff.MKL_PACKED_AVAILABLE if args.switch == "packed" else True  # without MKL both runs are F.linear
-    steps, generate = {True: [], False: []}, {True: [], False: []}
+    steps, generate, learn = ({True: [], False: []} for _ in range(3))
     for pair in range(args.pairs):
         for on in ((True, False) if pair % 2 == 0 else (False, True)):
-            setattr(ff, name, available and on)
+            _set(trainer, name, available and on)
             start = time.perf_counter()
             metrics = trainer.train_step()
             steps[on].append(time.perf_counter() - start)
             generate[on].append(metrics["time/generate_s"])
+            learn[on].append(metrics.get("time/forward_backward_s", 0.0))
     extra = {}
     if args.switch == "packed":
         ff.MKL_PACKED = available
         fast = trainer.engine.fast
         extra = {"mkl_available": available, "packs_apply": fast is not None and fast._packable_mb() > 0}
-    setattr(ff, name, default)
+    _set(trainer, name, default)
     ratios = ratio_summary(steps[True], steps[False], None)
 
     def summary(xs: list[float]) -> dict:
@@ -78,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         "size": args.size, "switch": args.switch, "pairs": args.pairs, "threads": args.threads, **extra,
         "on_by_default": default, "on_step_s": summary(steps[True]), "off_step_s": summary(steps[False]),
         "on_generate_s": summary(generate[True]), "off_generate_s": summary(generate[False]),
+        "on_learn_s": summary(learn[True]), "off_learn_s": summary(learn[False]),
         "ratio": {k: ratios[f"ratio_{k}"] for k in ("median", "min", "max")},
         "environment": environment(model_dir)}), flush=True)
 

@@ -1,7 +1,9 @@
 """`vs_trl.py --same-batch`: one rollout batch through tamer's and TRL's GRPO losses.
 
 Prints the largest per-token logprob difference, both losses, and the relative difference of
-the two gradients, with TRL's own advantages (its std eps is 1e-4) and with tamer's.
+the two gradients, with TRL's own advantages (its std eps is 1e-4) and with tamer's. tamer's
+side is its on-policy learner as it runs by default: reusing the sampler's projection outputs
+(`tamer_replayed_sampler_outputs`), where TRL recomputes its forward.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ def same_batch(args, tmp: Path, sft_checkpoint) -> None:
         "tamer_loss": tamer_loss, "trl_loss": trl_loss, "tamer_grad_norm": float(tamer_grad.norm()),
         "trl_grad_norm": float(trl_grad.norm()), "grad_rel_diff": rel(tamer_grad, trl_grad),
         "grad_rel_diff_same_advantages": rel(tamer_grad, trl_grad_same_adv),
+        # tamer's loss took the sampler's projection outputs (models/replay.py) instead of recomputing them
+        "tamer_replayed_sampler_outputs": batch.replay is not None and all(r.used for r in batch.replay.records),
         "trl_version": __import__("trl").__version__,
     }), flush=True)
 

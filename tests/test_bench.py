@@ -211,7 +211,7 @@ def test_sft_vs_trl_smoke(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("switch", ["packed", "mlp_transposed"])
+@pytest.mark.parametrize("switch", ["packed", "mlp_transposed", "replay"])
 def test_packed_decode_smoke(tmp_path, switch):
     """The on/off A/B of a decode setting runs both in one process and reports their ratio (1m: nothing packs)."""
     import json
@@ -229,6 +229,7 @@ def test_packed_decode_smoke(tmp_path, switch):
     else:
         assert row["on_by_default"] is True
     assert row["ratio"]["min"] > 0 and row["on_step_s"]["median"] > 0 and row["off_generate_s"]["median"] > 0
+    assert row["on_learn_s"]["median"] > 0 and row["off_learn_s"]["median"] > 0
 
 
 @pytest.mark.slow

@@ -186,7 +186,8 @@ def test_vs_trl_smoke(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install -e '.[bench]')")
 def test_vs_trl_same_batch_gives_trls_gradient(tmp_path):
-    """On one rollout batch, tamer's GRPO loss has TRL's logprobs and TRL's gradient (same advantages)."""
+    """On one rollout batch, tamer's GRPO loss has TRL's logprobs and TRL's gradient (same advantages), tamer
+    reusing its sampler's projection outputs where TRL recomputes its forward."""
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--same-batch", "--threads", "2"],
                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -195,6 +196,7 @@ def test_vs_trl_same_batch_gives_trls_gradient(tmp_path):
     assert row["logprob_max_abs_diff"] < 1e-4
     assert row["grad_rel_diff_same_advantages"] < 1e-4
     assert row["grad_rel_diff"] < 1e-2  # only TRL's std eps (1e-4 vs 1e-6) differs
+    assert row["tamer_replayed_sampler_outputs"] is True
 
 
 def test_fast_forward_off_runs_the_hf_forward_everywhere(tokenizer, tiny_model, tmp_path, monkeypatch):

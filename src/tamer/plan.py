@@ -108,6 +108,7 @@ class Setup:
     weight_bytes: int = 4  # model.dtype
     autocast_bf16: bool = False  # rl.precision = bf16
     checkpointing: bool = False  # model.gradient_checkpointing
+    replay: bool = False  # the learner reuses the sampler's projection outputs (held from sampling to the update)
     runtime_mb: float = CPU_RUNTIME_MB
     cpu_allocator: bool = True  # CPU (glibc malloc) rather than an accelerator's caching allocator
 
@@ -160,6 +161,8 @@ def estimate(shape: Shape, s: Setup) -> Plan:
         critic_trainable += shape.hidden + 1
     if not lora:  # the lean sampler's weight snapshot (a LoRA model samples through HF's forward)
         parts["sampler_weights"] = sampler_weights_mb(shape, s)
+    if s.replay:  # alive through both phases, so counted with what stays resident
+        parts["sampler_activations"] = sampler_activations_mb(shape, s)
     parts["gradients"] = (trainable * trainable_bytes + critic_trainable * trainable_bytes) / MB
     parts["optimizer"] = 2 * parts["gradients"]  # AdamW: exp_avg and exp_avg_sq, in the parameters' dtype
     if s.cpu_allocator:  # glibc keeps the previous step's freed gradients: the next step's are new memory
@@ -175,6 +178,14 @@ def sampler_weights_mb(shape: Shape, s: Setup) -> float:
         return (shape.layers * sum(a * b for a, b in shapes.values()) + shape.vocab * shape.hidden) * 2 / MB
     fused = sum(a * b for n, (a, b) in shapes.items() if n not in ("o_proj", "down_proj"))
     return shape.layers * fused * s.weight_bytes / MB
+
+
+def sampler_activations_mb(shape: Shape, s: Setup) -> float:
+    """The decode steps' projection outputs the learner reuses (`tamer.models.replay.DecodeRecord`): per
+    sampled row and completion token, q/k/v, output, gate/up and down of every layer and the logits, float32."""
+    per_token = shape.layers * (shape.heads * shape.head_dim + 2 * shape.kv_dim + 2 * shape.hidden
+                                + 2 * shape.intermediate) + shape.vocab
+    return s.prompts * s.group_size * s.completion_tokens * per_token * 4 / MB
 
 
 def learner_activations_mb(shape: Shape, s: Setup) -> float:
@@ -261,9 +272,14 @@ def _tokenizer_size(model) -> int:
     return len(build_char_tokenizer())
 
 
-def setup_of(config, prompt_tokens: int, runtime_mb: float = CPU_RUNTIME_MB, cpu: bool = True) -> Setup:
-    """The Setup of a RunConfig's RL phase, with its longest prompt `prompt_tokens`."""
+def setup_of(config, prompt_tokens: int, runtime_mb: float = CPU_RUNTIME_MB, cpu: bool = True,
+             single_turn: bool = True) -> Setup:
+    """The Setup of a RunConfig's RL phase, with its longest prompt `prompt_tokens`; `single_turn`: its tasks
+    name no environment (only single-turn completions' activations are reused)."""
     rl, alg, model = config.rl, config.rl.algorithm, config.model
+    replay = (rl.reuse_sampler_activations and rl.on_policy and rl.max_staleness == 0 and rl.fast_forward
+              and rl.share_prompt_prefix and rl.precision == "fp32" and rl.engine == "hf" and model.lora.r == 0
+              and BYTES[model.dtype] == 4 and not model.gradient_checkpointing and single_turn)
     ppo = alg.advantage == "gae"
     critic = "shared" if rl.critic.shared else "adapter" if rl.critic.adapter else "separate"
     return Setup(prompts=rl.prompts_per_step, group_size=rl.group_size, prompt_tokens=prompt_tokens,
@@ -272,7 +288,7 @@ def setup_of(config, prompt_tokens: int, runtime_mb: float = CPU_RUNTIME_MB, cpu
                  critic=critic, reference=alg.kl_coef > 0 or (ppo and rl.critic.kl_in_reward > 0),
                  lora_r=model.lora.r, lora_targets=tuple(model.lora.target_modules),
                  weight_bytes=BYTES[model.dtype], autocast_bf16=rl.precision == "bf16",
-                 checkpointing=model.gradient_checkpointing, runtime_mb=runtime_mb, cpu_allocator=cpu)
+                 checkpointing=model.gradient_checkpointing, replay=replay, runtime_mb=runtime_mb, cpu_allocator=cpu)
 
 
 def prompt_tokens_of(config, sample: int = 64) -> int:
@@ -293,8 +309,11 @@ def prompt_tokens_of(config, sample: int = 64) -> int:
 
 def plan_run(config, prompt_tokens: int = 0, runtime_mb: float = CPU_RUNTIME_MB,
              cpu: bool = True) -> tuple[Shape, Setup, Plan]:
+    from tamer.tasks import get_task_source
+
     shape = shape_of(config)
-    setup = setup_of(config, prompt_tokens or prompt_tokens_of(config), runtime_mb, cpu)
+    single_turn = get_task_source(config.task).split()[0][0].env is None
+    setup = setup_of(config, prompt_tokens or prompt_tokens_of(config), runtime_mb, cpu, single_turn)
     return shape, setup, estimate(shape, setup)
 
 

@@ -51,6 +51,7 @@ from tamer.models.fast_arch import (  # noqa: F401 - unsupported_reason is re-ex
     unsupported_reason,
     window_mask,
 )
+from tamer.models.replay import DecodeRecord, Replay, replayed
 
 
 def _cpu_bf16_autocast(x: torch.Tensor) -> bool:
@@ -124,14 +125,26 @@ MLP_TRANSPOSED = True
 PACK_MIN_WEIGHTS = 1 << 18
 
 
-def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for 2-D `x`; on `packed` (weight packed for x's row count) when given.
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, known: torch.Tensor | None
+            ) -> torch.Tensor:
+    """`linear(x, weight, bias)`, or its already known value `known` with the linear layer's backward
+    (`replay.replayed`: the learner reusing the sampler's projection outputs)."""
+    return linear(x, weight, bias) if known is None else replayed.apply(x, weight, bias, known)
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for 2-D `x`; on `packed` (weight packed for x's row count) when given;
+    into `out` (contiguous) when given.
 
     Same products, another blocking: outputs differ from `F.linear`'s by summation order only.
     """
-    if packed is None:
+    if packed is not None:
+        y = torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+        return y if out is None else out.copy_(y)
+    if out is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+    return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
 
 
 def _cat(parts: list[torch.Tensor], out: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -375,7 +388,7 @@ class FastDecoder:
         return out
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, *, past: list | None = None,
-                return_kv: bool = False, last_only: bool = False
+                return_kv: bool = False, last_only: bool = False, replay: Replay | None = None
                 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]] | None]:
         """Logits (B, S, V) of `ids` (B, S) with the live weights (autograd records it).
 
@@ -384,16 +397,34 @@ class FastDecoder:
         With `return_kv`, also every layer's (keys, values) of past + new tokens; with
         `last_only`, only the last position's logits (B, 1, V). When the model has HF's gradient
         checkpointing on and is training, each layer's activations are recomputed in backward.
+        `replay` (rows of the sampler's `DecodeRecord`s for exactly these `ids`, `replay.py`): the
+        projections return the recorded outputs instead of computing them; it is ignored (the
+        projections computed) unless `replay_applies`.
         """
         inner = self.model.model
+        checkpoint = self._checkpointed()
+        known, head = (None, None)
+        if replay is not None and self.replay_applies(replay, ids, checkpoint, last_only):
+            known, head = replay.gather(ids.shape[1])
         x = self._embed(ids, inner.embed_tokens.weight)
         kvs: list = []
         sink = (lambda i, k, v: kvs.append((k, v))) if return_kv else None
-        x = self._layers(x, self._live_layers(), mask, positions, past, sink, checkpoint=self._checkpointed())
+        x = self._layers(x, self._live_layers(), mask, positions, past, sink, checkpoint=checkpoint, known=known)
         if last_only:
             x = x[:, -1:]
         x = self._norm(x, (inner.norm.weight, self.final_eps))
-        return softcap(linear(x, self.model.get_output_embeddings().weight), self.arch.final_softcap), kvs or None
+        return softcap(project(x, self.model.get_output_embeddings().weight, None, head),
+                       self.arch.final_softcap), kvs or None
+
+    def replay_applies(self, replay: Replay, ids: torch.Tensor, checkpoint: list[bool] | None = None,
+                       last_only: bool = False) -> bool:
+        """Whether `replay` can stand in for this forward's projections: recorded from this very model, one
+        row per row of `ids` and columns for all of them, float32 weights without autocast (the record
+        is float32), no recomputation in backward (checkpointed layers), every position's logits."""
+        weight = self.model.model.embed_tokens.weight
+        return (replay.model is self.model and len(replay) == ids.shape[0] and replay.fits(ids.shape[1])
+                and weight.dtype == torch.float32 and not torch.is_autocast_enabled(weight.device.type)
+                and checkpoint is None and not last_only)
 
     def _checkpointed(self) -> list[bool] | None:
         """Per layer, whether HF would recompute it in backward (its gradient checkpointing flags)."""
@@ -418,13 +449,16 @@ class FastDecoder:
             allowed[window] = allowed[window][:, None]
         return allowed
 
-    def _block(self, x, layer: Layer, allowed, cs, past_k, past_v):
-        """One decoder layer over x (B, S, hidden) -> (x, keys, values) of past + new tokens."""
+    def _block(self, x, layer: Layer, allowed, cs, past_k, past_v, known: dict | None = None):
+        """One decoder layer over x (B, S, hidden) -> (x, keys, values) of past + new tokens; `known`: this
+        layer's recorded projection outputs (`replay.KINDS`, live weights only)."""
         batch, seq = x.shape[:2]
         heads, kv, d = self.num_heads, self.num_kv, self.head_dim
+        known = known or {}
         h = self._norm(x, layer.ln1)
         if isinstance(layer.qkv_w, tuple):  # live, unfused weights (learner)
-            q, k, v = (linear(h, w, b).view(batch, seq, -1, d) for w, b in zip(layer.qkv_w, layer.qkv_b))
+            outs = known["qkv"].split([heads * d, kv * d, kv * d], dim=-1) if known else (None,) * 3
+            q, k, v = (project(h, w, b, y).view(batch, seq, -1, d) for w, b, y in zip(layer.qkv_w, layer.qkv_b, outs))
             qk = self._qk(torch.cat([q, k], dim=2), layer, cs)
         else:
             qkv = linear(h, layer.qkv_w, layer.qkv_b).view(batch, seq, heads + 2 * kv, d)
@@ -434,20 +468,23 @@ class FastDecoder:
         if past_k is not None:
             k, v = torch.cat([past_k.to(k.dtype), k], dim=2), torch.cat([past_v.to(v.dtype), v], dim=2)
         attn = attend(q, k, v, allowed, self.scaling, self.arch.attn_softcap)
-        x = self._residual(x, linear(attn.transpose(1, 2).reshape(batch, seq, heads * d), layer.o_w, layer.o_b),
-                           layer.post_attn)
+        x = self._residual(x, project(attn.transpose(1, 2).reshape(batch, seq, heads * d), layer.o_w, layer.o_b,
+                                      known.get("o")), layer.post_attn)
         h = self._norm(x, layer.ln2)
         if isinstance(layer.gu_w, tuple):
-            gate, up = (linear(h, w) for w in layer.gu_w)
+            outs = known["gu"].chunk(2, dim=-1) if known else (None, None)
+            gate, up = (project(h, w, None, y) for w, y in zip(layer.gu_w, outs))
         else:
             gate, up = linear(h, layer.gu_w).chunk(2, dim=-1)
-        return self._residual(x, linear(activate(gate, self.arch.act) * up, layer.down_w), layer.post_ffn), k, v
+        out = project(activate(gate, self.arch.act) * up, layer.down_w, None, known.get("down"))
+        return self._residual(x, out, layer.post_ffn), k, v
 
     def _layers(self, x, layers, mask, positions, past, sink=None, *, extra: int = 0,
-                checkpoint: list[bool] | None = None):
+                checkpoint: list[bool] | None = None, known: list[dict] | None = None):
         """The decoder layers over x (B, S, hidden); `sink(i, keys, values)` receives each layer's KV
         (past + new), `extra` = positions the caller will decode after these (sizes the RoPE table),
-        `checkpoint[i]` = recompute layer i's activations in backward instead of keeping them."""
+        `checkpoint[i]` = recompute layer i's activations in backward instead of keeping them,
+        `known[i]` = layer i's recorded projection outputs (`_block`)."""
         cached = 0 if past is None else past[0][0].shape[2]
         masks = self._attention_masks(mask, cached, x.shape[1])
         cs = self._rope_tables(positions, x.device, size=None if extra == 0 else int(positions.max()) + extra + 1)
@@ -457,7 +494,7 @@ class FastDecoder:
             if checkpoint is not None and checkpoint[i] and torch.is_grad_enabled():
                 x, k, v = torch.utils.checkpoint.checkpoint(self._block, *args, use_reentrant=False)
             else:
-                x, k, v = self._block(*args)
+                x, k, v = self._block(*args, None if known is None else known[i])
             if sink is not None:
                 sink(i, k, v)
         return x
@@ -489,11 +526,14 @@ class FastDecoder:
         return logits, KVBuffer(keys, values, total)
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVBuffer, key_mask: torch.Tensor
-               ) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVBuffer, key_mask: torch.Tensor,
+               record: DecodeRecord | None = None) -> torch.Tensor:
         """One token per row: `tokens` (B,), `positions` (B,); `key_mask` (B, capacity) bool.
 
-        The token's keys/values go to column `cache.length`; returns its logits (B, V).
+        The token's keys/values go to column `cache.length`; returns its logits (B, V). With `record`
+        (`replay.DecodeRecord` of B rows), every projection's output also goes to its column
+        `record.step` (then advanced), for the learner to reuse; the residual adds are then not fused
+        into the output and down projections (their outputs are what is kept).
         """
         batch = tokens.shape[0]
         col = cache.length
@@ -526,7 +566,8 @@ class FastDecoder:
         for i, layer in enumerate(self.layers):
             p_qkv, p_o, p_gu, p_down = packs[i] if packs is not None else (None,) * 4
             h = self._norm(x, layer.ln1)
-            qkv = _dense(h, layer.qkv_w, layer.qkv_b, p_qkv).view(batch, heads + 2 * kv, d)
+            qkv = _dense(h, layer.qkv_w, layer.qkv_b, p_qkv, record and record.at(i, "qkv"))
+            qkv = qkv.view(batch, heads + 2 * kv, d)
             qk = self._qk(qkv[:, :heads + kv], layer, cs)
             kb, vb = cache.k[i], cache.v[i]
             kb[:, :, col] = qk[:, heads:]
@@ -544,24 +585,34 @@ class FastDecoder:
                 q = qk[:, :heads].reshape(batch, kv, group, d)
                 attn = attend(q, kb[:, :, :end], vb[:, :, :end], mask, self.scaling, self.arch.attn_softcap)
             attn = attn.reshape(batch, heads * d)
-            if fuse and plain and layer.o_b is None and p_o is None:
+            if fuse and plain and layer.o_b is None and p_o is None and record is None:
                 x = torch.addmm(x, attn, layer.o_w.t())
             else:
-                x = self._residual(x, _dense(attn, layer.o_w, layer.o_b, p_o), layer.post_attn)
+                out = _dense(attn, layer.o_w, layer.o_b, p_o, record and record.at(i, "o"))
+                x = self._residual(x, out, layer.post_attn)
             h = self._norm(x, layer.ln2)
             if fuse and plain and MLP_TRANSPOSED and p_gu is None and p_down is None:
                 # The MLP on transposed activations: (2I, B) = W_gu @ h.T, so that the weights are the
                 # left operand, and the down projection reads act.T as a transposed view; the same
                 # products as `F.linear`, faster at few rows (MLP_TRANSPOSED's comment).
-                gu, inter = torch.mm(layer.gu_w, h.t()), layer.down_w.shape[1]
+                gu = torch.mm(layer.gu_w, h.t(), **({} if record is None else {"out": record.gu_at(i)}))
+                inter = layer.down_w.shape[1]
                 act = activate(gu[:inter], self.arch.act) * gu[inter:]
-                x = torch.addmm(x, act.t(), layer.down_w.t())
+                if record is None:
+                    x = torch.addmm(x, act.t(), layer.down_w.t())
+                else:
+                    x = x + torch.mm(act.t(), layer.down_w.t(), out=record.at(i, "down"))
             else:
-                gate, up = _dense(h, layer.gu_w, None, p_gu).chunk(2, dim=-1)
+                gu = _dense(h, layer.gu_w, None, p_gu, record and record.at(i, "gu"))
+                gate, up = gu.chunk(2, dim=-1)
                 act = activate(gate, self.arch.act) * up
-                if fuse and plain and p_down is None:
+                if fuse and plain and p_down is None and record is None:
                     x = torch.addmm(x, act, layer.down_w.t())
                 else:
-                    x = self._residual(x, _dense(act, layer.down_w, None, p_down), layer.post_ffn)
+                    out = _dense(act, layer.down_w, None, p_down, record and record.at(i, "down"))
+                    x = self._residual(x, out, layer.post_ffn)
         cache.length = end
-        return softcap(_dense(self._norm(x, self.norm), self.head, None, head), self.arch.final_softcap)
+        logits = _dense(self._norm(x, self.norm), self.head, None, head, record and record.at(0, "logits"))
+        if record is not None:
+            record.step += 1
+        return softcap(logits, self.arch.final_softcap)

@@ -16,6 +16,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from tamer.models.fast_forward import FastDecoder
 from tamer.models.precision import cache_keyword
+from tamer.models.replay import Replay
 
 
 def token_logprobs(
@@ -54,6 +55,7 @@ def shared_prefix_logprobs(
     prefix_index: torch.Tensor,  # (B,) long: rows with the same index have the same prompt
     temperature: float = 1.0,
     fast: bool = True,
+    replay: Replay | None = None,
 ) -> torch.Tensor:
     """`token_logprobs` computed with each distinct prompt forwarded once.
 
@@ -62,8 +64,21 @@ def shared_prefix_logprobs(
     result, and its gradient, equal `token_logprobs` up to float rounding; the learner skips
     (G − 1)/G of the prompt tokens. Prompt positions get 0 (`token_logprobs` gives their real
     logprobs there; no loss reads them). docs/algorithms.md#shared-prompt-prefix
+
+    `replay`: the sampler's projection outputs for these rows' completions (`tamer.models.replay`);
+    the lean forward returns them instead of recomputing the completions' projections (the
+    prompts are computed either way), when `FastDecoder.replay_applies`. The rows then run in the
+    record's row order (`Replay.order`: its outputs are read in place, no gather) and come back in
+    the caller's.
     """
     device = input_ids.device
+    if replay is not None and len(replay) == len(input_ids):
+        order = replay.order()
+        if not bool((order == torch.arange(len(order))).all()):
+            rows = order.to(device)
+            out = shared_prefix_logprobs(model, input_ids[rows], attention_mask[rows], prompt_lengths[rows.cpu()],
+                                         prefix_index[rows.cpu()], temperature, fast, replay[order])
+            return out.index_select(0, torch.argsort(rows))
     uniq, inverse = torch.unique(prefix_index, return_inverse=True)  # (U,), (B,)
     # One row per distinct prompt (any: rows with the same index have the same prompt).
     first = torch.zeros(len(uniq), dtype=torch.long, device=device).scatter_(0, inverse, torch.arange(len(inverse)))
@@ -105,7 +120,7 @@ def shared_prefix_logprobs(
     mask = torch.cat([prompt_mask[inverse], comp_mask], dim=1)
     positions = plen[:, None] + ccols[None, :]
     if fast is not None:
-        logits = fast.forward(comp_ids, mask, positions, past=past)[0]  # (B, C, V)
+        logits = fast.forward(comp_ids, mask, positions, past=past, replay=replay)[0]  # (B, C, V)
     else:
         logits = model(input_ids=comp_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                        **{kw: cache}).logits

@@ -28,9 +28,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from tamer.memory import keep_freed_memory
+from tamer.memory import available_mb, keep_freed_memory
 from tamer.models.fast_forward import FastDecoder
 from tamer.models.precision import autocast, cache_keyword, intra_op_threads
+from tamer.models.replay import DecodeRecord
 from tamer.rollout.prefix_cache import PrefixEntry, PrefixStore
 from tamer.rollout.types import GenerationOutput, SamplingParams
 
@@ -209,8 +210,11 @@ class HFEngine:
                 ids, mask = ids.to(device), mask.to(device)
                 cache, positions = DynamicCache(), (mask.cumsum(-1) - 1).clamp(min=0)
             row_mask = mask.repeat_interleave(params.n, dim=0) if params.n > 1 else mask  # one row per sample
-            prefill = self._fast_prefill if self.fast is not None else self._hf_prefill
-            cache, logits, step_fn = prefill(cache, ids, mask, row_mask, positions, params)
+            record = self._record(row_mask.shape[0], params)
+            if self.fast is not None:
+                cache, logits, step_fn = self._fast_prefill(cache, ids, mask, row_mask, positions, params, record)
+            else:
+                cache, logits, step_fn = self._hf_prefill(cache, ids, mask, row_mask, positions, params)
             mask = row_mask
             if params.n > 1:
                 positions = positions.repeat_interleave(params.n, dim=0)
@@ -218,6 +222,10 @@ class HFEngine:
             tokens, logprobs = self._decode(logits, step_fn, mask, positions[:, -1], params, generator, uniforms)
         self.model.train(was_training)
         outputs = self._collect(tokens, logprobs, len(prompts), params)
+        if record is not None:
+            record.finish()
+            for row, out in enumerate(o for group in outputs for o in group):
+                out.activations = (record, row)
         if entries is not None:
             lengths = [len(o.token_ids) for group in outputs for o in group]
             entries.extend(PrefixStore.extract(cache, prompts, mask, tokens, lengths, params.n))
@@ -241,8 +249,23 @@ class HFEngine:
                               position_ids=pos[:, None], use_cache=True, **{self._cache_kw: cache}).logits[:, -1, :]
         return cache, logits, step
 
-    def _fast_prefill(self, cache: DynamicCache, ids, mask, row_mask, positions, params):
-        """The same with `FastDecoder`: KV buffers for prompt + completion, the prompt's rows repeated n times."""
+    def _record(self, rows: int, params: SamplingParams) -> DecodeRecord | None:
+        """A `DecodeRecord` for this chunk's decode when `params.keep_activations` asks and it applies: the
+        lean float32 decode (no autocast, float32 weights) and buffers within a quarter of the memory
+        still available (else the learner recomputes, as without it)."""
+        if not params.keep_activations or self.fast is None or self.precision != "fp32" \
+                or self.model.get_output_embeddings().weight.dtype != torch.float32:
+            return None
+        steps = params.max_new_tokens  # one column per completion token (the last one's stays zero: never fed)
+        available = available_mb()
+        if available is not None and DecodeRecord.nbytes(self.fast, rows, steps) > available * 2**20 / 4:
+            return None
+        return DecodeRecord.for_decode(self.fast, rows, steps, self.model.get_output_embeddings().weight.device)
+
+    def _fast_prefill(self, cache: DynamicCache, ids, mask, row_mask, positions, params,
+                      record: DecodeRecord | None = None):
+        """The same with `FastDecoder`: KV buffers for prompt + completion, the prompt's rows repeated n times;
+        `record`: each decode step's projection outputs kept (`FastDecoder.decode`)."""
         past = [(layer.keys, layer.values) for layer in cache.layers] if cache.layers else None
         logits, kv = self.fast.prefill(ids, mask, positions, past=past, repeat=params.n, extra=params.max_new_tokens)
         key_mask = torch.ones(logits.shape[0], mask.shape[1] + params.max_new_tokens, dtype=torch.bool,
@@ -250,7 +273,7 @@ class HFEngine:
         key_mask[:, :mask.shape[1]] = row_mask.bool()
 
         def step(tokens, pos, k):
-            return self.fast.decode(tokens, pos, kv, key_mask)
+            return self.fast.decode(tokens, pos, kv, key_mask, record)
         return kv, logits, step
 
     def _decode(self, logits, step_fn, prompt_mask, last_pos, params, generator, uniforms=None):

@@ -62,8 +62,8 @@ class Rollout:
 
     def run(self, tasks: list[Task], params: SamplingParams, group_offset: int = 0) -> list[Trajectory]:
         with_env = [t.env is not None for t in tasks]
-        if all(with_env):
-            return self.agent.run(tasks, params, group_offset)
+        if all(with_env):  # the learner reuses activations of single-turn completions only
+            return self.agent.run(tasks, dataclasses.replace(params, keep_activations=False), group_offset)
         if any(with_env):
             raise ValueError("a batch mixes environment tasks and single-turn tasks; use one kind per run")
         prompts = [self.encode(t) for t in tasks]
@@ -87,6 +87,7 @@ class Rollout:
                     finish_reason=out.finish_reason,
                     turns=[Turn(generated=len(out.token_ids), seconds=seconds)],
                     weight_version=out.weight_version,
+                    activations=out.activations,
                 ))
         return trajectories
 

@@ -31,6 +31,10 @@ class SamplingParams:
     # random stream, so a row's tokens do not depend on which other rows share the call
     # (`trajectory_seed`). Empty: one stream for the whole call, seeded with `seed`.
     row_seeds: tuple[int, ...] = ()
+    # Keep every decode step's projection outputs with the outputs (`GenerationOutput.activations`) for
+    # the learner to reuse (`tamer.models.replay`); the trainer asks when that is valid. Engines
+    # that cannot (vLLM, the HF forward, bf16) ignore it.
+    keep_activations: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -65,6 +69,7 @@ class GenerationOutput:
     logprobs: list[float]  # log π_old(token) under the sampling temperature
     finish_reason: str  # "stop" (a stop token was sampled, and is included) or "length"
     weight_version: int | None = None  # the engine's weight version that sampled it (None: not tracked)
+    activations: tuple | None = None  # (DecodeRecord, row) when the engine kept them (keep_activations)
 
 
 @dataclass
@@ -97,6 +102,7 @@ class Trajectory:
     info: dict[str, Any] = field(default_factory=dict)  # environment facts: cost, success, ...
     weight_version: int | None = None  # engine weight version that sampled it (oldest turn's; None: not tracked)
     policy_version: int = 0  # the weights that sampled it: the learner's step count at sampling time
+    activations: tuple | None = field(default=None, repr=False)  # the sampler's, single-turn (GenerationOutput's)
 
     @property
     def num_generated(self) -> int:

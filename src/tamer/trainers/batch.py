@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tamer.models.replay import Replay
 from tamer.rollout.types import Trajectory
 from tamer.trainers.common import right_pad
 
@@ -35,6 +36,7 @@ class Batch:
     behaviour_logprobs: torch.Tensor | None = None  # (B, T) float32, the sampler's logprobs when off-policy by k
     turn_ids: torch.Tensor | None = None  # (B, T) long, the assistant turn of each policy token; -1 elsewhere
     turn_rewards: torch.Tensor | None = None  # (B, K) float32, each turn's weighted process reward (turn_grpo)
+    replay: Replay | None = None  # the sampler's projection outputs per row (tamer.models.replay), when reusable
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -53,8 +55,8 @@ class Batch:
                 fields[name] = None
                 continue
             value = value[index]
-            fields[name] = (value[:, :width] if value.dim() == 2 and name != "turn_rewards"  # (B, K): per turn
-                            else value)
+            fields[name] = (value[:, :width] if isinstance(value, torch.Tensor) and value.dim() == 2
+                            and name != "turn_rewards" else value)  # turn_rewards (B, K): per turn
         return Batch(**fields)
 
 
@@ -84,6 +86,7 @@ def collate(trajectories: list[Trajectory], advantages: torch.Tensor, pad_id: in
         turn_ids=right_pad([[-1] * len(t.prompt_ids) + token_turns(t) for t in trajectories], -1, torch.long)
         if turns else None,
         turn_rewards=turn_rewards(trajectories, process_weight) if turns else None,
+        replay=Replay.of([t.activations for t in trajectories]),
     )
 
 

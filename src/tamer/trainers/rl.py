@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +148,7 @@ class RLConfig:
     rollout_threads: int = 0  # intra-op threads while generating; 0 = the process's setting
     generation_batch: int = 256  # sequences generated at once (rollouts and evaluation); lower caps memory
     fast_forward: bool = True  # the lean forward in engine and learner where supported; False: HF forward
+    reuse_sampler_activations: bool = True  # learner reuses the sampler's projection outputs where valid (on-policy)
     engine: str = "hf"  # hf (tamer's decode loop) | vllm (VLLMEngine, settings in the run's `vllm:` section)
     tis_cap: float = 0.0  # truncated importance sampling cap C (>= 1) on π_learner/π_sampler; 0: off
     tis_level: str = "token"  # token | sequence (one weight per row)
@@ -330,6 +332,9 @@ class RLTrainer:
                         self.recorder.on_batch(step, trajectories, batch,
                                                lambda b: self._no_grad_logprobs(self.model, b))
                 metrics |= self.update(batch, step) | self._token_counts(batch)  # 5: μ inner updates
+                batch.replay = None  # the sampler's activations belong to the weights before this update
+                for traj in trajectories:
+                    traj.activations = None
         self.step = step
         if self.producer is not None:  # the new weights, for batches sampled from now on
             self.producer.publish(step, self.model)
@@ -360,8 +365,10 @@ class RLTrainer:
         unique_prompts = float(torch.zeros(int(first.max()) + 1, dtype=torch.long).scatter_(
             0, first, batch.prompt_lengths).sum())
         shared = self.config.share_prompt_prefix and len(batch) > 1
+        replayed = batch.replay is not None and any(record.used for record in batch.replay.records)
         return {"tokens/generated": float(batch.loss_mask.sum()), "tokens/prefill": unique_prompts,
-                "tokens/learner": completions + (unique_prompts if shared else float(batch.prompt_lengths.sum()))}
+                "tokens/learner": completions + (unique_prompts if shared else float(batch.prompt_lengths.sum())),
+                "tokens/replayed": completions if replayed else 0.0}  # the learner's forward projections skipped
 
     @contextlib.contextmanager
     def _timed(self, name: str, timings: dict[str, float] | None = None):
@@ -394,8 +401,11 @@ class RLTrainer:
         for round_ in range(1 + (cfg.algorithm.max_refill_rounds if mode == "refill" else 0)):
             missing = cfg.prompts_per_step - len(kept) // cfg.group_size
             tasks = self.pool.next_batch(missing)
+            params = self.sampling_params(step, round_)
+            if self._reuses_activations(rollout):
+                params = dataclasses.replace(params, keep_activations=True)
             with self._timed("generate", timings):
-                trajs = rollout.run(tasks, self.sampling_params(step, round_), group_offset=len(seen) // cfg.group_size)
+                trajs = rollout.run(tasks, params, group_offset=len(seen) // cfg.group_size)
             with self._timed("score", timings):
                 self._score(trajs)
             for t in trajs:
@@ -405,6 +415,18 @@ class RLTrainer:
             if mode != "refill" or len(kept) // cfg.group_size >= cfg.prompts_per_step:
                 break
         return kept, self._rollout_metrics(seen, kept) | rollout.metrics()
+
+    def _reuses_activations(self, rollout) -> bool:
+        """Whether the learner can take the sampler's projection outputs (tamer.models.replay): the update is
+        the one optimizer step right after sampling (on-policy, synchronous) and the sampler is this
+        process's lean engine on the learner's own module, in fp32 (the engine checks the rest); one
+        learner process (ranks receive rank 0's trajectories pickled: records stay in their process)."""
+        cfg = self.config
+        return (cfg.reuse_sampler_activations and cfg.on_policy and cfg.max_staleness == 0 and cfg.fast_forward
+                and self.learner.world == 1
+                and cfg.share_prompt_prefix and cfg.precision == "fp32" and rollout is self.local_rollout
+                and isinstance(self.engine, HFEngine) and self.engine.model is self.model
+                and not any(getattr(m, "gradient_checkpointing", False) is True for m in self.model.modules()))
 
     def _score(self, trajs: list[Trajectory]) -> None:
         stats = self.rewards.score(trajs)
@@ -456,8 +478,10 @@ class RLTrainer:
         cfg = self.config
         with autocast(cfg.precision, batch.input_ids.device):
             if cfg.share_prompt_prefix and batch.prefix_index is not None and len(batch) > 1:
+                replay = batch.replay if model is self.model else None  # recorded from this model's weights
                 return shared_prefix_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_lengths,
-                                              batch.prefix_index, cfg.temperature, fast=cfg.fast_forward)
+                                              batch.prefix_index, cfg.temperature, fast=cfg.fast_forward,
+                                              replay=replay)
             return token_logprobs(model, batch.input_ids, batch.attention_mask, cfg.temperature, fast=cfg.fast_forward)
 
     @torch.no_grad()
