@@ -41,6 +41,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_workers import run_worker, serve, worker_command
+
 TRL_LAYOUTS = ("padded", "padding_free", "packing")
 TAMER_LAYOUTS = ("packed", "padded")  # and packed_unshared: packed, sft.share_prefix false
 
@@ -284,19 +287,9 @@ def work_ratio(spec: dict, steps: range) -> dict:
 
 
 # ---------------------------------------------------------------------------- parent
-def _worker_command(kind: str, spec: dict) -> tuple[list[str], dict]:
-    """The command line and environment of one worker subprocess."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
-    return [sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)], env
-
-
 def worker(kind: str, spec: dict) -> dict:
-    command, env = _worker_command(kind, spec)
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{kind} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Run one SFT trainer in a fresh subprocess of this script (`bench_workers.run_worker`)."""
+    return run_worker(__file__, kind, spec)
 
 
 def block_pair(specs: dict[str, dict], first: str) -> dict[str, dict]:
@@ -317,7 +310,7 @@ def block_pair(specs: dict[str, dict], first: str) -> dict[str, dict]:
             raise RuntimeError(f"{kind} worker ended early:\n{errors.read()[-4000:]}")
 
         for kind, spec in specs.items():  # warm-ups one after the other
-            command, env = _worker_command(kind, spec)
+            command, env = worker_command(__file__, kind, spec)
             procs[kind] = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors,
                                            text=True, env=env)
             wait_ready(kind)
@@ -430,10 +423,7 @@ def main() -> None:
         parser.error("--block-steps: one --tamer-layouts and one --trl-layouts, and the timed steps "
                      "(--steps minus --warmup) a multiple of it")
     if args.worker:
-        from tamer.memory import keep_freed_memory
-        malloc = keep_freed_memory()  # both sides: the allocator settings tamer's trainers set for themselves
-        result = (run_tamer if args.worker == "tamer" else run_trl)(json.loads(args.spec))
-        print(json.dumps({**result, "malloc": malloc}), flush=True)
+        serve(run_tamer, run_trl, args.worker, args.spec)  # both sides: tamer's allocator settings
         return
     with tempfile.TemporaryDirectory(prefix="sft_vs_trl_") as tmp:
         compare(args, prepare(args.task, Path(tmp), args.seed, args.set), Path(tmp))

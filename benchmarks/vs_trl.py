@@ -23,33 +23,20 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_stats import learning_summary, ratio_summary
+from bench_workers import run_worker, serve
 from grpo_workers import LEARNING, SIZES, SPEED, build_model, environment
 
 
 def worker(kind: str, spec: dict, env_changes: dict[str, str | None] | None = None) -> dict:
-    """Run one trainer in a fresh subprocess; its last stdout line is the JSON result.
-
-    `env_changes`: variables set for the subprocess only (None: removed from its environment).
-    """
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    env.setdefault("OMP_NUM_THREADS", str(spec["threads"]))
-    for name, value in (env_changes or {}).items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
-    proc = subprocess.run([sys.executable, __file__, "--worker", kind, "--spec", json.dumps(spec)],
-                          capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{kind} worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Run one GRPO trainer in a fresh subprocess of this script (`bench_workers.run_worker`); `env_changes`:
+    variables set for the subprocess only (None: removed from its environment)."""
+    return run_worker(__file__, kind, spec, env_changes)
 
 
 def interleaved(spec: dict, pairs: int) -> dict[str, list[dict]]:
@@ -231,10 +218,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         from grpo_workers import run_tamer, run_trl
-        from tamer.memory import keep_freed_memory
-        malloc = keep_freed_memory()  # both sides: the allocator settings tamer's trainers set for themselves
-        result = (run_tamer if args.worker == "tamer" else run_trl)(json.loads(args.spec))
-        print(json.dumps({**result, "malloc": malloc}), flush=True)
+        serve(run_tamer, run_trl, args.worker, args.spec)  # both sides: tamer's allocator settings
         return
     if args.summarize:
         args.out = args.summarize

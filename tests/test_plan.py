@@ -21,7 +21,17 @@ from tamer.models import (
     token_logprobs,
 )
 from tamer.pipeline import RunConfig
-from tamer.plan import MB, Setup, Shape, estimate, learner_activations_mb, shape_from_hf, shape_of, what_fits
+from tamer.plan import (
+    MB,
+    Setup,
+    Shape,
+    estimate,
+    learner_activations_mb,
+    plan_run,
+    shape_from_hf,
+    shape_of,
+    what_fits,
+)
 
 SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 
@@ -35,6 +45,18 @@ def test_parameter_counts_match_the_built_model(arch, tied):
     assert shape.parameters() == count_parameters(model)
     lora = apply_lora(model, LoraConfig(r=4))
     assert shape.lora_parameters(4, LoraConfig().target_modules) == count_parameters(lora, trainable_only=True)
+
+
+@pytest.mark.parametrize("overrides, kept", [([], True), (["rl.ppo_epochs=2", "rl.recompute_old_logprobs=true"], False),
+                                             (["rl.precision=bf16"], False),
+                                             (["rl.reuse_sampler_activations=false"], False),
+                                             (["task.name=trip_planner"], False)])
+def test_the_plan_counts_the_sampler_record_when_the_learner_reuses_it(overrides, kept):
+    """On-policy fp32 single-turn runs keep the sampler's outputs for the learner; μ > 1, bf16, the switch off
+    and agent tasks (multi-turn episodes) do not."""
+    config = load_config(RunConfig, [], [f"model.tiny.{k}={v}" for k, v in SMALL.items()] + overrides)
+    _, setup, plan = plan_run(config)
+    assert setup.replay is kept and ("sampler_activations" in plan.components) is kept
 
 
 def test_qwen2_5_0_5b_shape_has_its_published_parameter_count():
@@ -67,6 +89,10 @@ def test_estimate_by_hand():
     # sampler: 4 rows, 8 tokens, keys and values of width 4 in 2 layers, float32; logits 3 * 4 * V
     assert math.isclose(plan.sampler_mb, (2 * 4 * 8 * 2 * 4 * 4 + 3 * 4 * 100 * 4) / MB)
     assert plan.peak_mb == plan.resident_mb + plan.learner_mb and plan.phase == "learner"
+    # the sampler's projection outputs kept for the learner: 4 rows x 5 tokens x (2 layers x (q/k/v 8 + 4 + 4,
+    # o 8, gate/up 32, down 8) + V 100) float32
+    replay = estimate(shape, Setup(**{**setup.__dict__, "replay": True}))
+    assert replay.components["sampler_activations"] == 4 * 5 * (2 * (16 + 8 + 32 + 8) + 100) * 4 / MB
     lora = estimate(shape, Setup(**{**setup.__dict__, "lora_r": 2}))
     adapter = 2 * 2 * (16 + 12 + 12 + 16 + 24 + 24 + 24)  # r * (in + out) per projection, 2 layers
     assert lora.components["reference"] == 0 and "sampler_weights" not in lora.components

@@ -151,8 +151,8 @@ def test_record_layout_and_row_selection(tokenizer):
     want = [(record, 1), (second[0].activations[0], 0), (record, 3)]
     for row, (rec, r) in enumerate(want):
         assert torch.equal(logits[row], rec.logits[:3, r])
-        assert torch.equal(layers[1]["gu"][row], rec.rows("gu", rec.layers[1]["gu"], 3, None)[r])
-    assert record.gu_transposed is fast_forward.MLP_TRANSPOSED  # W_gu @ h.T written straight into its slot
+        assert torch.equal(layers[1]["gu"][row], rec.rows(1, "gu", 3, None)[r])
+    assert record.gu_transposed == ({0, 1} if fast_forward.MLP_TRANSPOSED else set())  # W_gu @ h.T, in its slot
     assert DecodeRecord.nbytes(FastDecoder.for_model(model), 4, 5) == record.logits.numel() * 4 + sum(
         b.numel() * 4 for layer in record.layers for b in layer.values())
 
@@ -183,3 +183,20 @@ def test_trainer_reuses_activations_on_policy_only(tokenizer, tmp_path, monkeypa
     assert not trainer._reuses_activations(trainer.rollout)
     trainer.train_step()
     assert gathered == []
+
+
+def test_memory_plan_counts_the_record(tokenizer):
+    """`tamer plan`'s sampler_activations part is the record the engine allocates for a step's rows, and is
+    there only when the reuse applies."""
+    from tamer.plan import MB, Setup, Shape, estimate
+    model = _tiny(tokenizer, "qwen2")
+    shape = Shape(vocab=len(tokenizer), hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+                  tied=True, qkv_bias=True)
+    setup = Setup(prompts=2, group_size=3, prompt_tokens=7, completion_tokens=6, replay=True)
+    engine = HFEngine(model, tokenizer.pad_token_id)
+    outs = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=6, keep_activations=True))
+    record = outs[0][0].activations[0]
+    allocated = sum(b.numel() * 4 for layer in record.layers for b in layer.values()) + record.logits.numel() * 4
+    assert estimate(shape, setup).components["sampler_activations"] * MB == allocated
+    assert "sampler_activations" not in estimate(shape, Setup(prompts=2, group_size=3, prompt_tokens=7,
+                                                             completion_tokens=6)).components

@@ -531,9 +531,9 @@ class FastDecoder:
         """One token per row: `tokens` (B,), `positions` (B,); `key_mask` (B, capacity) bool.
 
         The token's keys/values go to column `cache.length`; returns its logits (B, V). With `record`
-        (`replay.DecodeRecord` of B rows), every projection's output also goes to its column
-        `record.step` (then advanced), for the learner to reuse; the residual adds are then not fused
-        into the output and down projections (their outputs are what is kept).
+        (`replay.DecodeRecord` of B rows), every projection writes its output into the record's slot
+        for step `record.step` (then advanced), for the learner to reuse; the residual adds are then
+        not fused into the output and down projections (their outputs are what is kept).
         """
         batch = tokens.shape[0]
         col = cache.length

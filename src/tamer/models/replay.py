@@ -60,7 +60,7 @@ class DecodeRecord:
         self.model, self.layers, self.logits = model, layers, logits
         self.step = 0
         self.used = False  # set when a learner forward has taken outputs from it
-        self.gu_transposed = False  # gate/up written as (2I, rows) per step (decode's transposed MLP)
+        self.gu_transposed: set[int] = set()  # layers whose gate/up went in as (2I, rows) per step (`gu_at`)
 
     @staticmethod
     def widths(fast) -> dict[str, int]:
@@ -90,14 +90,16 @@ class DecodeRecord:
 
     def gu_at(self, layer: int) -> torch.Tensor:
         """The current step's gate/up slot laid out (2I, rows), for a decode that computes W_gu @ h.T."""
-        self.gu_transposed = True
+        self.gu_transposed.add(layer)
         slot = self.layers[layer]["gu"][self.step]
         return slot.view(slot.shape[1], slot.shape[0])
 
-    def rows(self, kind: str, buf: torch.Tensor, width: int, rows: torch.Tensor | None) -> torch.Tensor:
-        """`buf`'s first `width` steps as (rows, width, ·), a strided view when `rows` is None (all, in order),
-        else those rows gathered along the record's own row dimension (the fast, contiguous gather)."""
-        if kind == "gu" and self.gu_transposed:  # written (steps, 2I, rows) per step: copied row-major, as
+    def rows(self, layer: int, kind: str, width: int, rows: torch.Tensor | None) -> torch.Tensor:
+        """Layer `layer`'s `kind` ("logits": the head's) over the first `width` steps as (rows, width, ·): a
+        strided view when `rows` is None (all, in order), else those rows gathered along the record's
+        own row dimension (the fast, contiguous gather)."""
+        buf = self.logits if kind == "logits" else self.layers[layer][kind]
+        if kind == "gu" and layer in self.gu_transposed:  # written (steps, 2I, rows): copied row-major, as
             steps, count, inter2 = buf.shape  # element-wise work on a view with the rows innermost is slow
             out = buf.view(steps, inter2, count)[:width].permute(2, 0, 1)
             return out.contiguous() if rows is None else out.index_select(0, rows)
@@ -145,22 +147,20 @@ class Replay:
         for record in self.records:
             record.used = True
 
-        def take(kind: str, get) -> torch.Tensor:
+        def take(layer: int, kind: str) -> torch.Tensor:
             parts = []
             for number, record in enumerate(self.records):
                 rows = self.index[:, 1][self.index[:, 0] == number]
-                buf = get(record)
                 whole = len(self.records) == 1 and len(rows) == record.logits.shape[1] and bool(
                     (rows == torch.arange(len(rows))).all())
-                parts.append(record.rows(kind, buf, width, None if whole else rows.to(buf.device)))
+                parts.append(record.rows(layer, kind, width, None if whole else rows.to(record.logits.device)))
             if len(parts) == 1:
                 return parts[0]
             out = torch.cat(parts)  # rows grouped by record: put them back in batch order
             order = torch.cat([(self.index[:, 0] == n).nonzero().squeeze(1) for n in range(len(self.records))])
             return out.index_select(0, torch.argsort(order).to(out.device))
-        layers = [{kind: take(kind, lambda r, i=i, k=kind: r.layers[i][k]) for kind in KINDS}
-                  for i in range(len(self.records[0].layers))]
-        return layers, take("logits", lambda r: r.logits)
+        layers = [{kind: take(i, kind) for kind in KINDS} for i in range(len(self.records[0].layers))]
+        return layers, take(0, "logits")
 
     @classmethod
     def of(cls, refs: list) -> Replay | None:
