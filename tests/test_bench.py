@@ -211,6 +211,26 @@ def test_sft_vs_trl_smoke(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("peer", [False, True])
+def test_hf_attention_smoke(tmp_path, peer):
+    """The general path's decode attention on/off (or TRL's sdpa/eager) alternated, one row per prompt set."""
+    import json
+    import subprocess
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hf_attention.py"), "--size", "1m", "--pairs", "2",
+                          "--warmup", "1", "--threads", "1"] + (["--peer"] if peer else []),
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.strip().splitlines()]
+    assert [r["prompts"] for r in rows] == ["equal", "varied"]
+    assert all(r["pairs"] == 2 for r in rows)
+    for row in rows:
+        keys = ("generate_ratio_eager_over_sdpa", "learner_ratio_eager_over_sdpa") if peer else ("ratio",)
+        assert all(row[k]["min"] > 0 for k in keys)
+    if not peer:
+        assert rows[0]["on_by_default"] is True and len(set(rows[1]["prompt_tokens"])) == 4  # varied: padding
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("switch", ["packed", "mlp_transposed", "replay"])
 def test_packed_decode_smoke(tmp_path, switch):
     """The on/off A/B of a decode setting runs both in one process and reports their ratio (1m: nothing packs)."""

@@ -29,6 +29,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from tamer.memory import available_mb, keep_freed_memory
+from tamer.models.decode_attention import decode_sdpa, model_configs
 from tamer.models.fast_forward import FastDecoder
 from tamer.models.precision import autocast, cache_keyword, intra_op_threads
 from tamer.models.replay import DecodeRecord
@@ -161,6 +162,8 @@ class HFEngine:
         # The lean forward, or None (unsupported model, or fast=False): then the HF forward runs.
         # It snapshots fused weights and refreshes them whenever a parameter has changed.
         self.fast = FastDecoder.for_model(model) if self.use_fast else None
+        # The HF forward's decode steps take tamer's one-query attention (models/decode_attention.py).
+        self._configs = model_configs(model) if self.fast is None else []
 
     def sync_weights(self, model: PreTrainedModel) -> None:
         if model is not self.model:  # same process: the learner's module is the sampler's
@@ -219,7 +222,8 @@ class HFEngine:
             if params.n > 1:
                 positions = positions.repeat_interleave(params.n, dim=0)
             uniforms = row_uniforms(row_seeds, params.max_new_tokens) if row_seeds else None
-            tokens, logprobs = self._decode(logits, step_fn, mask, positions[:, -1], params, generator, uniforms)
+            with decode_sdpa(self._configs):
+                tokens, logprobs = self._decode(logits, step_fn, mask, positions[:, -1], params, generator, uniforms)
         self.model.train(was_training)
         outputs = self._collect(tokens, logprobs, len(prompts), params)
         if record is not None:
