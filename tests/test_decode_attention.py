@@ -11,6 +11,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, Gemma2Config,
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import tamer.models.decode_attention as da
+from tamer.models import LoraConfig, apply_lora
 from tamer.rollout.engine import HFEngine
 from tamer.rollout.types import SamplingParams
 
@@ -86,6 +87,7 @@ CONFIGS = {
     "llama": lambda: LlamaConfig(**SIZE),
     "gemma3_sliding": lambda: Gemma3TextConfig(**SIZE, head_dim=16, sliding_window=5),  # windows in the mask
     "gemma2_eager": lambda: Gemma2Config(**SIZE, head_dim=16),  # no SDPA in transformers: left as it is
+    "llama_lora": lambda: LlamaConfig(**SIZE),  # adapters: the lean forward refuses it, the HF forward runs
 }
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16], [20, 21, 22, 23, 24, 25]]  # left-padded rows
 
@@ -94,9 +96,15 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [14, 15, 16], [20, 21, 22, 23, 24, 2
 def test_engine_samples_the_same_with_it_on_and_off(name, monkeypatch):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    if name == "llama_lora":
+        model = apply_lora(model, LoraConfig(r=4, seed=1))
+        for p in model.parameters():  # adapters away from their zero start, so that they change the samples
+            if p.requires_grad:
+                p.data.normal_(0, 0.05)
     before = model.config._attn_implementation
     assert before == ("eager" if name == "gemma2_eager" else "sdpa")
-    engine = HFEngine(model, 0, fast=False)
+    engine = HFEngine(model, 0, fast=name == "llama_lora")  # LoRA: the engine's own choice is the HF forward
+    assert engine.fast is None
     calls = []
 
     def counted(*args, **kwargs):
