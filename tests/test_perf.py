@@ -95,6 +95,59 @@ def test_shared_prefix_logprobs_and_gradients_equal_plain(tokenizer, tiny_model)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_last_column_is_not_forwarded(tokenizer, tiny_model, monkeypatch, fast):
+    """Its logits would predict past the end and no earlier position reads its keys: both learner
+    forwards run one column less, equal the full forward's logprobs, and one-token rows still work."""
+    from tamer.models.fast_forward import FastDecoder
+    seen = []
+    if fast:
+        original = FastDecoder.forward
+        monkeypatch.setattr(FastDecoder, "forward", lambda self, ids, *a, **kw: seen.append(ids.shape[1])
+                            or original(self, ids, *a, **kw))
+    else:
+        original = type(tiny_model).forward
+        monkeypatch.setattr(type(tiny_model), "forward", lambda self, input_ids=None, **kw: seen.append(
+            input_ids.shape[1]) or original(self, input_ids=input_ids, **kw))
+    batch = _batch(tokenizer, tiny_model)
+    seen.clear()
+    ids, mask = batch.input_ids, batch.attention_mask
+    plain = token_logprobs(tiny_model, ids, mask, fast=fast)
+    assert seen == [ids.shape[1] - 1]
+    with torch.no_grad():
+        logits = tiny_model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    full = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    valid = mask.bool()[:, 1:]
+    torch.testing.assert_close(plain[:, 1:][valid], full[valid], atol=1e-5, rtol=1e-5)
+    seen.clear()
+    shared_prefix_logprobs(tiny_model, ids, mask, batch.prompt_lengths, batch.prefix_index, fast=fast)
+    completion = int((mask.sum(-1) - batch.prompt_lengths).max())
+    assert seen == [int(batch.prompt_lengths.max()), completion - 1]  # prompts, then completions but the last
+    # every completion one token: only the prompts' forward runs, its last logits score the token
+    width = int(batch.prompt_lengths.max())
+    short = torch.where(torch.arange(ids.shape[1])[None, :] <= batch.prompt_lengths[:, None], mask, 0)
+    seen.clear()
+    one = shared_prefix_logprobs(tiny_model, ids, short, batch.prompt_lengths, batch.prefix_index, fast=fast)
+    assert seen == [width]
+    rows = torch.arange(len(ids))
+    expected = token_logprobs(tiny_model, ids, short, fast=fast)[rows, batch.prompt_lengths]
+    torch.testing.assert_close(one[rows, batch.prompt_lengths], expected, atol=1e-5, rtol=1e-5)
+    assert token_logprobs(tiny_model, ids[:, :1], mask[:, :1], fast=fast).abs().sum() == 0
+
+
+def test_token_counts_leave_out_each_micro_batchs_last_column(tokenizer, tiny_model):
+    from types import SimpleNamespace
+    batch = _batch(tokenizer, tiny_model)
+    comp = batch.attention_mask.sum(-1) - batch.prompt_lengths
+    for budget, groups in ((10**6, [list(range(len(batch)))]), (1, [[row] for row in range(len(batch))])):
+        trainer = SimpleNamespace(config=SimpleNamespace(micro_batch_tokens=budget, share_prompt_prefix=True))
+        counts = RLTrainer._token_counts(trainer, batch)
+        # one micro-batch: every row's completion up to the longest one's last column; one row each: its last token
+        expected = sum(min(int(comp[r]), int(comp[g].max()) - 1) for g in groups for r in g)
+        assert counts["tokens/learner"] - counts["tokens/prefill"] == expected
+        assert counts["tokens/replayed"] == 0.0 and counts["tokens/generated"] == float(batch.loss_mask.sum())
+
+
 def test_micro_batches_with_rows_cover_every_row(tokenizer, tiny_model):
     batch = _batch(tokenizer, tiny_model)
     pairs = micro_batches(batch, max_tokens=64, with_rows=True)

@@ -86,7 +86,8 @@ def test_replayed_forward_equals_the_recomputed_one(tokenizer, arch, shuffled, m
     monkeypatch.setattr(Replay, "gather", lambda self, width: gathered.append(width) or original(self, width))
     model.train()
     lp_replay, grads_replay = _logprobs_and_grads(model, ids, mask, plen, index, replay)
-    assert gathered == [int((mask.sum(-1) - plen).max())]  # the replay was used, for the completion columns
+    # the replay was used, for the completion columns forwarded: all but the last (its logits predict past the end)
+    assert gathered == [int((mask.sum(-1) - plen).max()) - 1]
     lp, grads = _logprobs_and_grads(model, ids, mask, plen, index, None)
     assert len(gathered) == 1
     torch.testing.assert_close(lp_replay, lp, atol=2e-5, rtol=1e-5)

@@ -34,12 +34,17 @@ def token_logprobs(
     same maths, fewer ops); others the HF forward.
     """
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    if input_ids.shape[1] < 2:
+        return torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    # The last column's logits would predict past the sequence and no earlier position reads its keys
+    # (causal): it is not forwarded.
+    ids, mask, positions = input_ids[:, :-1], attention_mask[:, :-1], positions[:, :-1]
     fast = FastDecoder.for_model(model) if fast else None  # fast=False: the HF forward
     if fast is not None:
-        logits = fast.forward(input_ids, attention_mask, positions)[0]
+        logits = fast.forward(ids, mask, positions)[0]
     else:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
-    logits = logits[:, :-1].float()
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    logits = logits.float()
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
     targets = input_ids[:, 1:]
@@ -117,14 +122,20 @@ def shared_prefix_logprobs(
     comp_mask = (ccols[None, :] < comp_len[:, None]).long()  # (B, C)
     comp_src = (plen[:, None] + ccols[None, :]).clamp(max=input_ids.shape[1] - 1)
     comp_ids = input_ids.gather(1, comp_src) * comp_mask
-    mask = torch.cat([prompt_mask[inverse], comp_mask], dim=1)
-    positions = plen[:, None] + ccols[None, :]
-    if fast is not None:
-        logits = fast.forward(comp_ids, mask, positions, past=past, replay=replay)[0]  # (B, C, V)
-    else:
-        logits = model(input_ids=comp_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                       **{kw: cache}).logits
-    logits = torch.cat([first_logits[:, None], logits[:, :-1]], dim=1).float()  # position c predicts token c
+    # Columns 0..C-2 are forwarded: the last one's logits would predict past every completion, and no
+    # earlier position reads its keys (causal), so its forward is skipped.
+    fed = width_c - 1
+    logits = first_logits[:, None]  # (B, 1, V): predicts completion token 0
+    if fed > 0:
+        mask = torch.cat([prompt_mask[inverse], comp_mask[:, :fed]], dim=1)
+        positions = plen[:, None] + ccols[None, :fed]
+        if fast is not None:
+            rest = fast.forward(comp_ids[:, :fed], mask, positions, past=past, replay=replay)[0]  # (B, C-1, V)
+        else:
+            rest = model(input_ids=comp_ids[:, :fed], attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{kw: cache}).logits
+        logits = torch.cat([logits, rest], dim=1)
+    logits = logits.float()  # position c predicts completion token c
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
     picked = logits.gather(-1, comp_ids[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # (B, C)

@@ -358,9 +358,13 @@ class RLTrainer:
         return out
 
     def _token_counts(self, batch: Batch) -> dict[str, float]:
-        """Tokens the step pushed through the model (for FLOP counts): sampled, prefilled, learned on."""
-        lengths = batch.attention_mask.sum(-1)
-        completions = float((lengths - batch.prompt_lengths).sum())
+        """Tokens the step pushed through the model (for FLOP counts): sampled, prefilled, learned on. The
+        learner does not forward a micro-batch's last column (its logits predict past the end; logprobs.py):
+        counted over the batch's micro-batches as one mini-batch splits them."""
+        completions = 0.0
+        for micro in micro_batches(batch, self.config.micro_batch_tokens):
+            comp = micro.attention_mask.sum(-1) - micro.prompt_lengths
+            completions += float(comp.clamp(max=int(comp.max()) - 1).sum())
         _, first = torch.unique(batch.prefix_index, return_inverse=True)
         unique_prompts = float(torch.zeros(int(first.max()) + 1, dtype=torch.long).scatter_(
             0, first, batch.prompt_lengths).sum())
