@@ -4,9 +4,9 @@
         logits = model(input_ids=tokens[:, None], ...)
 
 The engine runs the HF forward (`HFEngine` with `fast=False`, and every model `FastDecoder` does not
-cover) one token per row per decode step. At that shape the CPU kernel behind
-`F.scaled_dot_product_attention` costs 2.5-3x two `bmm`s (benchmarks/hf_attention.py; the lean
-decode in `fast_forward.py` uses the same two matmuls). transformers looks each layer's attention
+cover) one token per row per decode step. At that shape, with a mask (prompts of different
+lengths), the CPU kernel behind `F.scaled_dot_product_attention` costs 2.3-2.5x two batched
+matmuls (docs/performance.md item 15; the lean decode in `fast_forward.py` uses the same two). transformers looks each layer's attention
 function up by name (`config._attn_implementation`) in `AttentionInterface`: `decode_attention`
 is registered there as `NAME`, with SDPA's mask format, and computes one-query, float32 CPU calls
 as `baddbmm` + softmax + `bmm`; every other call (prompts, the learner, dropout, autocast, GPU,
