@@ -6,10 +6,10 @@
 The engine runs the HF forward (`HFEngine` with `fast=False`, and every model `FastDecoder` does not
 cover) one token per row per decode step. At that shape, with a mask (prompts of different
 lengths), the CPU kernel behind `F.scaled_dot_product_attention` costs 2.3-2.5x two batched
-matmuls (docs/performance.md item 15; the lean decode in `fast_forward.py` uses the same two). transformers looks each layer's attention
-function up by name (`config._attn_implementation`) in `AttentionInterface`: `decode_attention`
-is registered there as `NAME`, with SDPA's mask format, and computes one-query, float32 CPU calls
-as `baddbmm` + softmax + `bmm`; every other call (prompts, the learner, dropout, autocast, GPU,
+matmuls (docs/performance.md item 15; the lean decode in `fast_forward.py` uses the same two).
+transformers looks each layer's attention function up by name (`config._attn_implementation`) in
+`AttentionInterface`: `decode_attention` is registered there as `NAME`, with SDPA's mask format,
+and computes one-query, float32 CPU calls as `baddbmm` + softmax + `bmm`; every other call (prompts, the learner, dropout, autocast, GPU,
 soft-capping, sinks, position biases) goes to transformers' own SDPA function unchanged.
 
 `decode_sdpa` switches the configs that name "sdpa" to `NAME` for the decode loop only and back,
