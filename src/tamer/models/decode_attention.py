@@ -9,8 +9,9 @@ lengths), the CPU kernel behind `F.scaled_dot_product_attention` costs 2.3-2.5x 
 matmuls (docs/performance.md item 15; the lean decode in `fast_forward.py` uses the same two).
 transformers looks each layer's attention function up by name (`config._attn_implementation`) in
 `AttentionInterface`: `decode_attention` is registered there as `NAME`, with SDPA's mask format,
-and computes one-query, float32 CPU calls as `baddbmm` + softmax + `bmm`; every other call (prompts, the learner, dropout, autocast, GPU,
-soft-capping, sinks, position biases) goes to transformers' own SDPA function unchanged.
+and computes one-query, float32 CPU calls as `baddbmm` + softmax + `bmm`; every other call
+(prompts, the learner, dropout, autocast, GPU, soft-capping, sinks, position biases) goes to
+transformers' own SDPA function unchanged.
 
 `decode_sdpa` switches the configs that name "sdpa" to `NAME` for the decode loop only and back,
 so the learner's forward, the prefill and saved checkpoints keep "sdpa". Another thread that runs
