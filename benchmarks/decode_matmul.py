@@ -9,8 +9,10 @@ won on an Intel Xeon and did not on an AMD EPYC. Per shape (in -> out) this time
 rounds:
 
 * `linear`: `F.linear(x, W)` (the engine's unpacked path), `packed`: `torch.ops.mkl._mkl_linear`
-  on a packed W (the engine's packed path), `left`: `W @ x.T` (the weight as the left operand,
-  output transposed), `left_back`: the same with the output made row-major again;
+  on a packed W (the engine's packed path on Intel CPUs), `left`: `W @ x.T` (the weight as the left
+  operand, output transposed), `left_back`: the same with the output made row-major again,
+  `onednn`: `torch.ops.mkldnn._linear_pointwise` on W as it is, `onednn_packed`: the same on W
+  packed for the row count (`_reorder_linear_weight`; the engine's packed path on AMD CPUs);
 * `hot`: one weight again and again (in cache); `cold`: `--cold-mb` of distinct weights of that
   shape in turn, as a decode step reads a model larger than the L3 cache.
 
@@ -51,7 +53,7 @@ def best_seconds(fn, reps: int, rounds: int = 5) -> float:
     return min(times)
 
 
-def time_shape(k: int, n: int, rows: int, cold_mb: float, packed_available: bool) -> dict:
+def time_shape(k: int, n: int, rows: int, cold_mb: float, packed_available: bool, onednn_available: bool) -> dict:
     """Microseconds per call of each layout for a (rows, k) x (k -> n) matmul, hot and cold."""
     import torch
     import torch.nn.functional as F
@@ -63,6 +65,10 @@ def time_shape(k: int, n: int, rows: int, cold_mb: float, packed_available: bool
     if packed_available:
         packs = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
         layouts["packed"] = lambda w, i: torch.ops.mkl._mkl_linear(x, packs[i], w, None, rows)
+    if onednn_available:
+        dnn = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+        layouts["onednn"] = lambda w, i: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        layouts["onednn_packed"] = lambda w, i: torch.ops.mkldnn._linear_pointwise(x, dnn[i], None, "none", [], "")
     row = {"in": k, "out": n, "cold_weights": count}
     for name, call in layouts.items():
         hot = best_seconds(lambda call=call: call(weights[0], 0), reps=50)
@@ -81,14 +87,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import torch
 
-    from tamer.models.fast_forward import MKL_PACKED, MKL_PACKED_AVAILABLE
+    from tamer.models.fast_forward import MKL_PACKED, MKL_PACKED_AVAILABLE, ONEDNN_PACKED, ONEDNN_PACKED_AVAILABLE
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     out = {"size": args.size, "rows": args.rows, "threads": torch.get_num_threads(), "cold_mb": args.cold_mb,
-           "packed_by_default": MKL_PACKED, "shapes": []}
+           "packed_by_default": MKL_PACKED, "onednn_packed_by_default": ONEDNN_PACKED, "shapes": []}
     with torch.inference_mode():
         for k, n in model_shapes(args.size):
-            out["shapes"].append(time_shape(k, n, args.rows, args.cold_mb, MKL_PACKED_AVAILABLE))
+            out["shapes"].append(time_shape(k, n, args.rows, args.cold_mb, MKL_PACKED_AVAILABLE,
+                                            ONEDNN_PACKED_AVAILABLE))
         stream = torch.randn(int(args.cold_mb * 2**20 // 4))
         seconds = best_seconds(stream.sum, reps=3)
         out["sum_gb_per_s"] = round(stream.numel() * 4 / seconds / 1e9, 1)

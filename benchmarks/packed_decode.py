@@ -1,6 +1,7 @@
 """tamer's GRPO step (the `vs_trl.py` speed spec) with one setting on and off, alternated in one process.
 
     python benchmarks/packed_decode.py --size 20m --pairs 12                          # MKL-packed weights
+    python benchmarks/packed_decode.py --size 20m --pairs 12 --switch onednn          # oneDNN-packed weights
     python benchmarks/packed_decode.py --size 20m --pairs 12 --switch mlp_transposed  # MLP on h.T
     python benchmarks/packed_decode.py --size 20m --pairs 12 --switch replay          # sampler outputs reused
 
@@ -9,6 +10,8 @@ trainer's:
 
 * `packed` (`MKL_PACKED`, on by default on Intel CPUs): decode matmuls on weights packed once per
   `generate` (`torch.ops.mkl._mkl_linear`) when the model's weights are large enough;
+* `onednn` (`ONEDNN_PACKED`, on by default on AMD CPUs): the same with oneDNN's packed layout
+  (`torch.ops.mkldnn._linear_pointwise`); MKL's packing is off in both runs;
 * `mlp_transposed` (`MLP_TRANSPOSED`, on by default): the MLP as W_gu @ h.T with the activation
   on (I, B), the weights as the left operand of the few-row matmuls;
 * `replay` (`rl.reuse_sampler_activations`, on by default): the learner takes the decode steps'
@@ -36,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_stats import ratio_summary
 from grpo_workers import SIZES, SPEED, build_model, environment, load, tamer_trainer, tasks_for
 
-SWITCHES = {"packed": "MKL_PACKED", "mlp_transposed": "MLP_TRANSPOSED",  # --switch -> models/fast_forward.py
+SWITCHES = {"packed": "MKL_PACKED", "onednn": "ONEDNN_PACKED", "mlp_transposed": "MLP_TRANSPOSED",  # fast_forward.py
             "replay": "reuse_sampler_activations"}  # the trainer's RLConfig
 
 
@@ -76,7 +79,10 @@ def main(argv: list[str] | None = None) -> None:
         trainer.train_step()
     name = SWITCHES[args.switch]
     default = _get(trainer, name)
-    available = ff.MKL_PACKED_AVAILABLE if args.switch == "packed" else True  # without MKL both runs are F.linear
+    available = {"packed": ff.MKL_PACKED_AVAILABLE, "onednn": ff.ONEDNN_PACKED_AVAILABLE}.get(args.switch, True)
+    mkl_default = ff.MKL_PACKED  # without the kernels both runs are F.linear
+    if args.switch == "onednn":
+        ff.MKL_PACKED = False
     steps, generate, learn = ({True: [], False: []} for _ in range(3))
     for pair in range(args.pairs):
         for on in ((True, False) if pair % 2 == 0 else (False, True)):
@@ -87,10 +93,12 @@ def main(argv: list[str] | None = None) -> None:
             generate[on].append(metrics["time/generate_s"])
             learn[on].append(metrics.get("time/forward_backward_s", 0.0))
     extra = {}
-    if args.switch == "packed":
-        ff.MKL_PACKED = available
+    if args.switch in ("packed", "onednn"):
+        setattr(ff, name, available)
         fast = trainer.engine.fast
-        extra = {"mkl_available": available, "packs_apply": fast is not None and fast._packable_mb() > 0}
+        extra = {f"{'mkl' if args.switch == 'packed' else 'onednn'}_available": available,
+                 "packs_apply": fast is not None and fast._packable_mb() > 0}
+    ff.MKL_PACKED = mkl_default
     _set(trainer, name, default)
     ratios = ratio_summary(steps[True], steps[False], None)
 

@@ -231,7 +231,7 @@ def test_hf_attention_smoke(tmp_path, peer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("switch", ["packed", "mlp_transposed", "replay"])
+@pytest.mark.parametrize("switch", ["packed", "onednn", "mlp_transposed", "replay"])
 def test_packed_decode_smoke(tmp_path, switch):
     """The on/off A/B of a decode setting runs both in one process and reports their ratio (1m: nothing packs)."""
     import json
@@ -243,9 +243,10 @@ def test_packed_decode_smoke(tmp_path, switch):
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert row["pairs"] == 2 and row["switch"] == switch
     from tamer.models import fast_forward
-    if switch == "packed":
+    if switch in ("packed", "onednn"):
         assert row["packs_apply"] is False  # 1m: below PACK_MIN_WEIGHTS
-        assert row["on_by_default"] is fast_forward.MKL_PACKED  # this CPU's default, restored after the pairs
+        # this CPU's default, restored after the pairs
+        assert row["on_by_default"] is (fast_forward.MKL_PACKED if switch == "packed" else fast_forward.ONEDNN_PACKED)
     else:
         assert row["on_by_default"] is True
     assert row["ratio"]["min"] > 0 and row["on_step_s"]["median"] > 0 and row["off_generate_s"]["median"] > 0
@@ -262,12 +263,15 @@ def test_decode_matmul_smoke(tmp_path):
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads(out.stdout.strip().splitlines()[-1])
+    from tamer.models import fast_forward
     # 1m: hidden 128, 4 query + 2 x 2 KV heads of 32, intermediate 512, 269-token head
     assert [(s["in"], s["out"]) for s in row["shapes"]] == [(128, 256), (128, 128), (128, 1024), (512, 128), (128, 269)]
     for shape in row["shapes"]:
         assert shape["cold_weights"] * shape["in"] * shape["out"] * 4 <= 2 * 2**20 or shape["cold_weights"] == 1
-        for layout in ("linear", "left", "left_back"):
+        layouts = ["linear", "left", "left_back"] + ["onednn", "onednn_packed"] * fast_forward.ONEDNN_PACKED_AVAILABLE
+        for layout in layouts:
             assert shape[layout]["hot_us"] > 0 and shape[layout]["cold_gb_per_s"] > 0
+    assert row["onednn_packed_by_default"] is fast_forward.ONEDNN_PACKED
     assert row["sum_gb_per_s"] > 0
 
 

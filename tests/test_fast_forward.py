@@ -145,13 +145,22 @@ def test_decode_mlp_on_transposed_activations_equals_the_row_major_one(tokenizer
         torch.testing.assert_close(a.keys, b.keys, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.skipif(not fast_forward.MKL_PACKED_AVAILABLE, reason="torch built without MKL")
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_packed_decode_matches_hf(tokenizer, arch, monkeypatch):
-    """Decode on MKL-packed weights (every weight packed here): HF's logits up to summation order, the
-    same sampled tokens; packed once per `generate` and row count, released when it ends; none in bf16."""
-    monkeypatch.setattr(fast_forward, "MKL_PACKED", True)  # on any CPU vendor
+def _pack_with(backend: str, monkeypatch) -> None:
+    """Decode packs every weight with `backend` ("mkl" or "onednn"), on any CPU vendor; skips without it."""
+    if not getattr(fast_forward, f"{backend.upper()}_PACKED_AVAILABLE"):
+        pytest.skip(f"torch built without {backend}")
+    monkeypatch.setattr(fast_forward, "MKL_PACKED", backend == "mkl")
+    monkeypatch.setattr(fast_forward, "ONEDNN_PACKED", backend == "onednn")
     monkeypatch.setattr(fast_forward, "PACK_MIN_WEIGHTS", 0)
+
+
+@pytest.mark.parametrize(("arch", "backend"), [("qwen2", "mkl"), ("llama", "mkl"), ("qwen2", "onednn"),
+                                               ("llama", "onednn")])
+def test_packed_decode_matches_hf(tokenizer, arch, backend, monkeypatch):
+    """Decode on MKL- or oneDNN-packed weights (every weight packed here): HF's logits up to summation
+    order, the same sampled tokens; packed once per `generate` and row count, released when it ends;
+    none in bf16."""
+    _pack_with(backend, monkeypatch)
     built = []
     original = FastDecoder._packed
 
@@ -166,6 +175,7 @@ def test_packed_decode_matches_hf(tokenizer, arch, monkeypatch):
     assert {rows for rows, _ in built} == {len(PROMPTS) * params.n} and len({id(got) for _, got in built}) == 1
     packs, head = built[0][1]
     assert head is not None and all(p is not None for layer in packs for p in layer)
+    assert all(p.onednn is (backend == "onednn") for p in [head, *(p for layer in packs for p in layer)])
     assert engine.fast._packs == {}  # released with the generate
     for group_a, group_b in zip(ours, theirs):
         for a, b in zip(group_a, group_b):
@@ -209,20 +219,22 @@ def test_cpu_vendor_and_the_packing_default(tmp_path):
     assert cpu_vendor(cpuinfo) == "AuthenticAMD"
     cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # an aarch64 cpuinfo: no vendor_id
     assert cpu_vendor(cpuinfo) is None and cpu_vendor(tmp_path / "missing") is None
-    intel = cpu_vendor() == "GenuineIntel"
+    intel, amd = cpu_vendor() == "GenuineIntel", cpu_vendor() == "AuthenticAMD"
     assert fast_forward.MKL_PACKED is (fast_forward.MKL_PACKED_AVAILABLE and intel)
+    assert fast_forward.ONEDNN_PACKED is (fast_forward.ONEDNN_PACKED_AVAILABLE and not intel and amd)
 
 
-@pytest.mark.parametrize(("precision", "pack"), [("fp32", False), ("fp32", True), ("bf16", False)])
+@pytest.mark.parametrize(("precision", "pack"), [("fp32", None), ("fp32", "mkl"), ("fp32", "onednn"),
+                                            ("bf16", None)])
 def test_snapshot_follows_weight_updates(tokenizer, precision, pack, monkeypatch):
     """Fused weights are a snapshot; an optimizer step (in place) must be seen by the next generate.
     Under bf16 every snapshot weight is a copy, the ones taken by reference in fp32 included; packed
-    weights (`pack`: all of them) are copies too."""
+    weights (`pack`: all of them, MKL's or oneDNN's layout) are copies too."""
     if pack:
-        if not fast_forward.MKL_PACKED_AVAILABLE:
-            pytest.skip("torch built without MKL")
-        monkeypatch.setattr(fast_forward, "MKL_PACKED", True)
-        monkeypatch.setattr(fast_forward, "PACK_MIN_WEIGHTS", 0)
+        _pack_with(pack, monkeypatch)
+    else:  # the plain snapshot, on any CPU
+        monkeypatch.setattr(fast_forward, "MKL_PACKED", False)
+        monkeypatch.setattr(fast_forward, "ONEDNN_PACKED", False)
     model = _model(tokenizer, "qwen2")
     engine = HFEngine(model, tokenizer.pad_token_id, precision=precision)
     plain = HFEngine(model, tokenizer.pad_token_id, fast=False, precision=precision)

@@ -68,16 +68,26 @@ def _logprobs_and_grads(model, ids, mask, plen, index, replay):
     return lp.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("arch,shuffled", [("qwen2", False), ("qwen2", True), ("llama", True), ("qwen3", False),
-                                           ("gemma2", True)])
-def test_replayed_forward_equals_the_recomputed_one(tokenizer, arch, shuffled, monkeypatch):
+@pytest.mark.parametrize("arch,shuffled,pack", [("qwen2", False, None), ("qwen2", True, None), ("llama", True, None),
+                                                ("qwen3", False, None), ("gemma2", True, None),
+                                                ("qwen2", False, "onednn"), ("llama", True, "mkl")])
+def test_replayed_forward_equals_the_recomputed_one(tokenizer, arch, shuffled, pack, monkeypatch):
     """Logprobs and every parameter's gradient with the sampler's projection outputs equal those of the
     learner's own forward (float rounding): qwen2 with biases and a tied head, llama, Qwen3's q/k
     norms, Gemma2's sandwich norms, soft-capping and sliding window; rows in the record's order (read
-    in place) or shuffled (run in the record's order, returned in the caller's)."""
+    in place) or shuffled (run in the record's order, returned in the caller's); decode on weights
+    packed for oneDNN or MKL (`pack`: every weight; the record is then written row-major)."""
+    if pack:
+        if not getattr(fast_forward, f"{pack.upper()}_PACKED_AVAILABLE"):
+            pytest.skip(f"torch built without {pack}")
+        monkeypatch.setattr(fast_forward, "MKL_PACKED", pack == "mkl")
+        monkeypatch.setattr(fast_forward, "ONEDNN_PACKED", pack == "onednn")
+        monkeypatch.setattr(fast_forward, "PACK_MIN_WEIGHTS", 0)
     model = _tiny(tokenizer, arch) if arch in ("qwen2", "llama") else build(arch)
     pad = tokenizer.pad_token_id if arch in ("qwen2", "llama") else 0
     ids, mask, plen, index, replay = _sampled_batch(model, pad)
+    if pack:
+        assert all(not record.gu_transposed for record in replay.records)  # the packed path ran
     if shuffled:
         perm = torch.tensor([4, 1, 5, 0, 3, 2])
         ids, mask, plen, index, replay = ids[perm], mask[perm], plen[perm], index[perm], replay[perm]

@@ -113,6 +113,17 @@ MKL_PACKED_AVAILABLE = torch.backends.mkl.is_available() and hasattr(torch.ops.m
 # 1.05 on an AMD EPYC (AVX-512), whose generation phase took 0.69 s packed against 0.61 s plain
 # (docs/performance.md). Set it to True or False to override.
 MKL_PACKED = MKL_PACKED_AVAILABLE and cpu_vendor() == "GenuineIntel"
+# oneDNN's packed (blocked) weight layout, the one torch's CPU inductor uses where MKL's packed GEMM
+# does not apply (`_reorder_linear_weight` + `_linear_pointwise`). Absent from builds without oneDNN.
+ONEDNN_PACKED_AVAILABLE = (torch.backends.mkldnn.is_available()
+                           and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                           and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+# Whether decode packs its weights for oneDNN: on AMD CPUs (Intel ones take MKL's packing above). Measured
+# on an AMD EPYC (AVX-512): the 20M benchmark model's decode matmuls at 32 rows, weights cold (read from
+# memory, as a decode step reads them), 1.40 ms per layer against 2.04 ms for the unpacked layouts decode
+# used (benchmarks/decode_matmul.py), and the 20M step with benchmarks/packed_decode.py --switch onednn
+# (docs/performance.md, item 17 of "What tamer does to be fast"). Set it to True or False to override.
+ONEDNN_PACKED = ONEDNN_PACKED_AVAILABLE and not MKL_PACKED and cpu_vendor() == "AuthenticAMD"
 # Whether unpacked float32 decode runs the MLP on transposed activations (W_gu @ h.T, then the down
 # projection on act.T as a view): with the weight as the left operand the few-row matmuls run
 # faster. Measured with benchmarks/packed_decode.py --switch mlp_transposed on an AMD EPYC (the 20M
@@ -132,7 +143,14 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kn
     return linear(x, weight, bias) if known is None else replayed.apply(x, weight, bias, known)
 
 
-def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed,
+class Pack(NamedTuple):
+    """A decode weight packed for a row count: MKL's packed GEMM layout, or oneDNN's (`onednn`)."""
+
+    weight: torch.Tensor
+    onednn: bool
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Pack | None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for 2-D `x`; on `packed` (weight packed for x's row count) when given;
     into `out` (contiguous) when given.
@@ -140,7 +158,8 @@ def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     Same products, another blocking: outputs differ from `F.linear`'s by summation order only.
     """
     if packed is not None:
-        y = torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+        y = (torch.ops.mkldnn._linear_pointwise(x, packed.weight, bias, "none", [], "") if packed.onednn
+             else torch.ops.mkl._mkl_linear(x, packed.weight, weight, bias, x.shape[0]))
         return y if out is None else out.copy_(y)
     if out is None:
         return F.linear(x, weight, bias)
@@ -289,7 +308,7 @@ class FastDecoder:
     def _packable_mb(self) -> float:
         """MB of the snapshot's weights that decode would pack: float32 CPU weights with MKL, each of at
         least `PACK_MIN_WEIGHTS` elements, when gate/up (the largest) is; else 0."""
-        if not (MKL_PACKED and self.head.device.type == "cpu" and self.head.dtype == torch.float32
+        if not ((MKL_PACKED or ONEDNN_PACKED) and self.head.device.type == "cpu" and self.head.dtype == torch.float32
                 and max(layer.gu_w.numel() for layer in self.layers) >= PACK_MIN_WEIGHTS):
             return 0.0
         weights = [w for layer in self.layers for w in (layer.qkv_w, layer.o_w, layer.gu_w, layer.down_w)]
@@ -316,9 +335,11 @@ class FastDecoder:
             free_mb = available_mb()
             crowded = free_mb is not None and free_mb < 2 * self._pack_mb  # then F.linear, as without packing
 
-            def pack(w: torch.Tensor) -> torch.Tensor | None:
-                return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows) if w.numel() >= PACK_MIN_WEIGHTS \
-                    else None
+            reorder = (torch.ops.mkl._mkl_reorder_linear_weight if MKL_PACKED
+                       else torch.ops.mkldnn._reorder_linear_weight)
+
+            def pack(w: torch.Tensor) -> Pack | None:
+                return Pack(reorder(w.detach(), rows), not MKL_PACKED) if w.numel() >= PACK_MIN_WEIGHTS else None
             self._packs[rows] = None if crowded else (
                 [(pack(layer.qkv_w), pack(layer.o_w), pack(layer.gu_w), pack(layer.down_w)) for layer in self.layers],
                 pack(self.head))
