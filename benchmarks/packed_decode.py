@@ -2,6 +2,7 @@
 
     python benchmarks/packed_decode.py --size 20m --pairs 12                          # MKL-packed weights
     python benchmarks/packed_decode.py --size 20m --pairs 12 --switch onednn          # oneDNN-packed weights
+    python benchmarks/packed_decode.py --size 20m --pairs 12 --switch onednn --path general  # the HF forward's
     python benchmarks/packed_decode.py --size 20m --pairs 12 --switch mlp_transposed  # MLP on h.T
     python benchmarks/packed_decode.py --size 20m --pairs 12 --switch replay          # sampler outputs reused
 
@@ -65,13 +66,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--switch", default="packed", choices=sorted(SWITCHES))
+    parser.add_argument("--path", default="fast", choices=("fast", "general"),
+                        help="general: the HF forward in engine and learner (packing: models/decode_linear.py)")
     args = parser.parse_args(argv)
     import tamer.models.fast_forward as ff
 
     tmp = Path(tempfile.mkdtemp())
     model_dir = build_model(args.size, tmp)
     spec = dict(SPEED, model=str(model_dir), threads=args.threads, seed=0, beta=0.0, precision="fp32", warmup=0,
-                total_steps=args.warmup + 2 * args.pairs, eval_every=0, run_dir=str(tmp / "run"))
+                total_steps=args.warmup + 2 * args.pairs, eval_every=0, run_dir=str(tmp / "run"),
+                fast=args.path == "fast")
     model, tokenizer = load(spec)
     prompts, heldout = tasks_for(spec)
     trainer = tamer_trainer(spec, model, tokenizer, prompts, heldout)
@@ -97,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
         setattr(ff, name, available)
         fast = trainer.engine.fast
         extra = {f"{'mkl' if args.switch == 'packed' else 'onednn'}_available": available,
-                 "packs_apply": fast is not None and fast._packable_mb() > 0}
+                 "packs_apply": fast._packable_mb() > 0 if fast is not None
+                 else any(w.numel() >= ff.PACK_MIN_WEIGHTS for w in trainer.model.parameters() if w.dim() == 2)}
     ff.MKL_PACKED = mkl_default
     _set(trainer, name, default)
     ratios = ratio_summary(steps[True], steps[False], None)
@@ -105,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     def summary(xs: list[float]) -> dict:
         return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
     print(json.dumps({
-        "size": args.size, "switch": args.switch, "pairs": args.pairs, "threads": args.threads, **extra,
+        "size": args.size, "path": args.path, "switch": args.switch, "pairs": args.pairs, "threads": args.threads, **extra,
         "on_by_default": default, "on_step_s": summary(steps[True]), "off_step_s": summary(steps[False]),
         "on_generate_s": summary(generate[True]), "off_generate_s": summary(generate[False]),
         "on_learn_s": summary(learn[True]), "off_learn_s": summary(learn[False]),

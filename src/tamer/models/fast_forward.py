@@ -150,7 +150,19 @@ class Pack(NamedTuple):
     onednn: bool
 
 
-def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Pack | None,
+def packing() -> bool:
+    """Whether float32 CPU decode packs its weights here (`MKL_PACKED` or `ONEDNN_PACKED`, and no autocast)."""
+    return (MKL_PACKED or ONEDNN_PACKED) and not torch.is_autocast_enabled("cpu")
+
+
+def pack_weight(weight: torch.Tensor, rows: int) -> Pack:
+    """`weight` (out, in) packed for `rows`-row matmuls: MKL's layout where `MKL_PACKED`, else oneDNN's."""
+    if MKL_PACKED:
+        return Pack(torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows), False)
+    return Pack(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows), True)
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Pack | None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for 2-D `x`; on `packed` (weight packed for x's row count) when given;
     into `out` (contiguous) when given.
@@ -329,17 +341,14 @@ class FastDecoder:
         machine has less than twice the packs' size available (`tamer.memory.available_mb`: a
         large float32 model keeps `F.linear` rather than doubling its weights' memory).
         """
-        if not self._pack_mb or torch.is_autocast_enabled("cpu"):
+        if not self._pack_mb or not packing():
             return None
         if rows not in self._packs:
             free_mb = available_mb()
             crowded = free_mb is not None and free_mb < 2 * self._pack_mb  # then F.linear, as without packing
 
-            reorder = (torch.ops.mkl._mkl_reorder_linear_weight if MKL_PACKED
-                       else torch.ops.mkldnn._reorder_linear_weight)
-
             def pack(w: torch.Tensor) -> Pack | None:
-                return Pack(reorder(w.detach(), rows), not MKL_PACKED) if w.numel() >= PACK_MIN_WEIGHTS else None
+                return pack_weight(w, rows) if w.numel() >= PACK_MIN_WEIGHTS else None
             self._packs[rows] = None if crowded else (
                 [(pack(layer.qkv_w), pack(layer.o_w), pack(layer.gu_w), pack(layer.down_w)) for layer in self.layers],
                 pack(self.head))
@@ -587,7 +596,7 @@ class FastDecoder:
         for i, layer in enumerate(self.layers):
             p_qkv, p_o, p_gu, p_down = packs[i] if packs is not None else (None,) * 4
             h = self._norm(x, layer.ln1)
-            qkv = _dense(h, layer.qkv_w, layer.qkv_b, p_qkv, record and record.at(i, "qkv"))
+            qkv = dense(h, layer.qkv_w, layer.qkv_b, p_qkv, record and record.at(i, "qkv"))
             qkv = qkv.view(batch, heads + 2 * kv, d)
             qk = self._qk(qkv[:, :heads + kv], layer, cs)
             kb, vb = cache.k[i], cache.v[i]
@@ -609,7 +618,7 @@ class FastDecoder:
             if fuse and plain and layer.o_b is None and p_o is None and record is None:
                 x = torch.addmm(x, attn, layer.o_w.t())
             else:
-                out = _dense(attn, layer.o_w, layer.o_b, p_o, record and record.at(i, "o"))
+                out = dense(attn, layer.o_w, layer.o_b, p_o, record and record.at(i, "o"))
                 x = self._residual(x, out, layer.post_attn)
             h = self._norm(x, layer.ln2)
             if fuse and plain and MLP_TRANSPOSED and p_gu is None and p_down is None:
@@ -624,16 +633,16 @@ class FastDecoder:
                 else:
                     x = x + torch.mm(act.t(), layer.down_w.t(), out=record.at(i, "down"))
             else:
-                gu = _dense(h, layer.gu_w, None, p_gu, record and record.at(i, "gu"))
+                gu = dense(h, layer.gu_w, None, p_gu, record and record.at(i, "gu"))
                 gate, up = gu.chunk(2, dim=-1)
                 act = activate(gate, self.arch.act) * up
                 if fuse and plain and p_down is None and record is None:
                     x = torch.addmm(x, act, layer.down_w.t())
                 else:
-                    out = _dense(act, layer.down_w, None, p_down, record and record.at(i, "down"))
+                    out = dense(act, layer.down_w, None, p_down, record and record.at(i, "down"))
                     x = self._residual(x, out, layer.post_ffn)
         cache.length = end
-        logits = _dense(self._norm(x, self.norm), self.head, None, head, record and record.at(0, "logits"))
+        logits = dense(self._norm(x, self.norm), self.head, None, head, record and record.at(0, "logits"))
         if record is not None:
             record.step += 1
         return softcap(logits, self.arch.final_softcap)

@@ -22,6 +22,7 @@ A vLLM engine on GPU plugs in behind the same `generate` call.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
@@ -30,6 +31,7 @@ from transformers.cache_utils import DynamicLayer
 
 from tamer.memory import available_mb, keep_freed_memory
 from tamer.models.decode_attention import decode_sdpa, model_configs
+from tamer.models.decode_linear import packed_linears
 from tamer.models.fast_forward import FastDecoder
 from tamer.models.precision import autocast, cache_keyword, intra_op_threads
 from tamer.models.replay import DecodeRecord
@@ -222,7 +224,8 @@ class HFEngine:
             if params.n > 1:
                 positions = positions.repeat_interleave(params.n, dim=0)
             uniforms = row_uniforms(row_seeds, params.max_new_tokens) if row_seeds else None
-            with decode_sdpa(self._configs):
+            packed = packed_linears(self.model, mask.shape[0]) if self.fast is None else contextlib.nullcontext()
+            with decode_sdpa(self._configs), packed:
                 tokens, logprobs = self._decode(logits, step_fn, mask, positions[:, -1], params, generator, uniforms)
         self.model.train(was_training)
         outputs = self._collect(tokens, logprobs, len(prompts), params)
