@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     def summary(xs: list[float]) -> dict:
         return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
     print(json.dumps({
-        "size": args.size, "path": args.path, "switch": args.switch, "pairs": args.pairs, "threads": args.threads, **extra,
+        "size": args.size, "path": args.path, "switch": args.switch, "pairs": args.pairs, "threads": args.threads,
+        **extra,
         "on_by_default": default, "on_step_s": summary(steps[True]), "off_step_s": summary(steps[False]),
         "on_generate_s": summary(generate[True]), "off_generate_s": summary(generate[False]),
         "on_learn_s": summary(learn[True]), "off_learn_s": summary(learn[False]),

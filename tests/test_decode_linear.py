@@ -64,7 +64,8 @@ def test_engine_samples_the_same_packed_and_not(backend, lora, monkeypatch):
         return Exit()
     monkeypatch.setattr("tamer.rollout.engine.packed_linears", spy)
     dense = ff.dense
-    monkeypatch.setattr(ff, "dense", lambda x, w, b, pack, out=None: calls.append(pack.onednn) or dense(x, w, b, pack, out))
+    monkeypatch.setattr(ff, "dense",
+                        lambda x, w, b, pack, out=None: calls.append(pack.onednn) or dense(x, w, b, pack, out))
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=3)
     _pack_with(backend, monkeypatch)
     on = engine.generate(PROMPTS, params)
