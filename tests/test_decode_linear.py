@@ -34,9 +34,9 @@ def _plain(model) -> bool:
 
 @pytest.mark.parametrize(("backend", "lora"), [("onednn", False), ("mkl", False), ("onednn", True)])
 def test_engine_samples_the_same_packed_and_not(backend, lora, monkeypatch):
-    """Decode with every `nn.Linear` packed (a LoRA model's base layers and head; its adapters stay
-    `nn.Linear`s of their own too) samples the tokens of the unpacked HF decode with the same logprobs
-    (summation order apart); the layers are packed for the decode loop only and plain after it."""
+    """Decode with every trained `nn.Linear` packed (with LoRA: the adapters, here large enough, and not
+    the frozen base layers and head) samples the tokens of the unpacked HF decode with the same
+    logprobs (summation order apart); the layers are packed for the decode loop only and plain after."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**SIZE)).eval()
     if lora:
@@ -46,7 +46,9 @@ def test_engine_samples_the_same_packed_and_not(backend, lora, monkeypatch):
                 p.data.normal_(0, 0.05)
     engine = HFEngine(model, 0, fast=False)
     assert engine.fast is None
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.requires_grad]
+    frozen = [m for m in model.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad]
+    assert len(frozen) == (15 if lora else 0) and linears  # LoRA: 2 x 7 base projections and the head
     packed, calls = [], []
     original = dl.packed_linears
 
@@ -54,6 +56,7 @@ def test_engine_samples_the_same_packed_and_not(backend, lora, monkeypatch):
         context = original(module, rows)
         count = context.__enter__()
         packed.append((rows, count, [type(m.__dict__.get("forward")).__name__ for m in linears]))
+        assert all("forward" not in m.__dict__ for m in frozen)
 
         class Exit:
             def __enter__(self):
@@ -85,7 +88,7 @@ def test_engine_samples_the_same_packed_and_not(backend, lora, monkeypatch):
 
 def test_other_inputs_take_f_linear(monkeypatch):
     """Another row count or autograd (a learner sharing the module meanwhile): `F.linear`, bitwise; too
-    small a weight, autocast or too little memory: nothing packed."""
+    small or frozen a weight, autocast or too little memory: nothing packed."""
     backend = "onednn" if ff.ONEDNN_PACKED_AVAILABLE else "mkl"
     _pack_with(backend, monkeypatch)
     torch.manual_seed(0)
@@ -104,6 +107,11 @@ def test_other_inputs_take_f_linear(monkeypatch):
     monkeypatch.setattr(ff, "PACK_MIN_WEIGHTS", 16 * 8 + 1)
     with dl.packed_linears(layer, rows=3) as count:
         assert count == 0
+    monkeypatch.setattr(ff, "PACK_MIN_WEIGHTS", 0)
+    layer.requires_grad_(False)  # frozen: its pack would add to the sampler's peak memory
+    with dl.packed_linears(layer, rows=3) as count:
+        assert count == 0
+    layer.requires_grad_(True)
     monkeypatch.setattr(ff, "PACK_MIN_WEIGHTS", 0)
     with torch.autocast("cpu", dtype=torch.bfloat16), dl.packed_linears(layer, rows=3) as count:
         assert count == 0

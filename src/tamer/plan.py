@@ -12,10 +12,10 @@ logits' softmax and gradient at the start of backward, or the sampler's KV cache
 On CPU, glibc's allocator does not hand back the previous step's freed gradients before the
 next step's are allocated (measured: RSS after one step includes them), so they count twice
 (`cpu_allocator`); the lean sampler keeps fused copies of the QKV and gate/up weights (bf16 copies
-of every projection under bf16 autocast). The MKL-packed decode weights it holds while it
-generates in float32 on an Intel CPU (at most the weights' size) are allocated in the heap the
-previous step's freed gradients left, so they add nothing to the peak (docs/memory_plan.md: the
-35m case).
+of every projection under bf16 autocast). The packed decode weights it holds while it
+generates in float32 (MKL's layout on Intel CPUs, oneDNN's on AMD ones; at most the weights' size)
+are allocated in the heap the previous step's freed gradients left, so they add nothing to the
+peak (docs/memory_plan.md: the 35m case).
 
 Activation counts per token are those autograd keeps for backward in tamer's learner forward,
 counted exactly with `saved_tensors_hooks` (tests/test_plan.py checks the formula against that

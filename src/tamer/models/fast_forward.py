@@ -21,12 +21,14 @@ torch ops:
 activation, attention dropout, wrapped or biased projections); the engine and the learner then
 keep the HF forward. The fused
 weights are a snapshot: the engine calls `refresh()` at every `generate`, so it never samples
-from stale weights. In float32 on an Intel CPU with MKL, decode's matmuls run on weights packed
-once per `generate` for its row count (`_mkl_linear`, the packed GEMM torch's own CPU inductor
-uses for frozen linears): 1.5-2.6x faster than `F.linear` at decode's 32 rows of the 20M
-benchmark model on an Intel Xeon; on an AMD EPYC the packed decode was slower, so there it is off
-(`MKL_PACKED`). `forward()` is the differentiable variant for the learner: it reads the live
-parameters (no snapshot) and returns every position's logits.
+from stale weights. In float32, decode's matmuls run on weights packed once per `generate` for
+its row count, the layouts torch's own CPU inductor uses for frozen linears: MKL's packed GEMM on
+Intel CPUs (`MKL_PACKED`; 1.5-2.6x faster than `F.linear` at decode's 32 rows of the 20M
+benchmark model on an Intel Xeon, slower on an AMD EPYC) and oneDNN's on AMD ones
+(`ONEDNN_PACKED`; 0.69 of the unpacked matmul time there, weights read from memory).
+`models/decode_linear.py` gives the HF forward's decode the same packing. `forward()` is the
+differentiable variant for the learner: it reads the live parameters (no snapshot) and returns
+every position's logits.
 """
 
 from __future__ import annotations
@@ -260,7 +262,7 @@ class FastDecoder:
         self.layers: list[Layer] | None = None  # weights for prefill/decode, fused ones copied by refresh()
         self.head: torch.Tensor | None = None
         self._pack_mb = 0.0  # MB of this snapshot's weights decode packs (0: packing does not apply)
-        self._packs: dict[int, tuple | None] = {}  # decode rows -> MKL-packed weights of this snapshot
+        self._packs: dict[int, tuple | None] = {}  # decode rows -> packed weights of this snapshot
         self._tables(min(max(int(config.max_position_embeddings), 64), 4096))  # grows on demand
 
     @classmethod
@@ -318,7 +320,7 @@ class FastDecoder:
         self._packs = {}
 
     def _packable_mb(self) -> float:
-        """MB of the snapshot's weights that decode would pack: float32 CPU weights with MKL, each of at
+        """MB of the snapshot's weights that decode would pack: float32 CPU weights (`packing()`), each of at
         least `PACK_MIN_WEIGHTS` elements, when gate/up (the largest) is; else 0."""
         if not ((MKL_PACKED or ONEDNN_PACKED) and self.head.device.type == "cpu" and self.head.dtype == torch.float32
                 and max(layer.gu_w.numel() for layer in self.layers) >= PACK_MIN_WEIGHTS):
