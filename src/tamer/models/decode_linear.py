@@ -50,7 +50,7 @@ class _PackedForward:
         if (x.numel() != self.rows * m.in_features or x.dtype != torch.float32 or torch.is_grad_enabled()
                 or torch.is_autocast_enabled("cpu")):  # not a decode step's input: as without packing
             return F.linear(x, m.weight, m.bias)
-        y = ff.dense(x.reshape(self.rows, m.in_features), m.weight, m.bias, self.pack)
+        y = ff.dense(x.reshape(self.rows, m.in_features).contiguous(), m.weight, m.bias, self.pack)
         return y.view(*x.shape[:-1], m.out_features)
 
 

@@ -25,7 +25,7 @@ from stale weights. In float32, decode's matmuls run on weights packed once per 
 its row count, the layouts torch's own CPU inductor uses for frozen linears: MKL's packed GEMM on
 Intel CPUs (`MKL_PACKED`; 1.5-2.6x faster than `F.linear` at decode's 32 rows of the 20M
 benchmark model on an Intel Xeon, slower on an AMD EPYC) and oneDNN's on AMD ones
-(`ONEDNN_PACKED`; 0.69 of the unpacked matmul time there, weights read from memory).
+(`ONEDNN_PACKED`; 0.57-0.69 of the unpacked matmul time there, weights read from memory).
 `models/decode_linear.py` gives the HF forward's decode the same packing. `forward()` is the
 differentiable variant for the learner: it reads the live parameters (no snapshot) and returns
 every position's logits.
@@ -122,8 +122,8 @@ ONEDNN_PACKED_AVAILABLE = (torch.backends.mkldnn.is_available()
                            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 # Whether decode packs its weights for oneDNN: on AMD CPUs (Intel ones take MKL's packing above). Measured
 # on an AMD EPYC (AVX-512): the 20M benchmark model's decode matmuls at 32 rows, weights cold (read from
-# memory, as a decode step reads them), 1.40 ms per layer against 2.04 ms for the unpacked layouts decode
-# used (benchmarks/decode_matmul.py), and the 20M step with benchmarks/packed_decode.py --switch onednn
+# memory, as a decode step reads them), 1.40-1.44 ms per layer against 2.04-2.55 ms for the unpacked layouts
+# decode used (benchmarks/decode_matmul.py), and the 20M step with benchmarks/packed_decode.py --switch onednn
 # (docs/performance.md, item 17 of "What tamer does to be fast"). Set it to True or False to override.
 ONEDNN_PACKED = ONEDNN_PACKED_AVAILABLE and not MKL_PACKED and cpu_vendor() == "AuthenticAMD"
 # Whether unpacked float32 decode runs the MLP on transposed activations (W_gu @ h.T, then the down
