@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="general: the HF forward in engine and learner (packing: models/decode_linear.py)")
     args = parser.parse_args(argv)
     import tamer.models.fast_forward as ff
+    from tamer.models.decode_linear import packable_linear
 
     tmp = Path(tempfile.mkdtemp())
     model_dir = build_model(args.size, tmp)
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         fast = trainer.engine.fast
         extra = {f"{'mkl' if args.switch == 'packed' else 'onednn'}_available": available,
                  "packs_apply": fast._packable_mb() > 0 if fast is not None
-                 else any(w.numel() >= ff.PACK_MIN_WEIGHTS for w in trainer.model.parameters() if w.dim() == 2)}
+                 else any(packable_linear(m) for m in trainer.model.modules())}
     ff.MKL_PACKED = mkl_default
     _set(trainer, name, default)
     ratios = ratio_summary(steps[True], steps[False], None)

@@ -115,7 +115,7 @@ def test_other_inputs_take_f_linear(monkeypatch):
     monkeypatch.setattr(ff, "PACK_MIN_WEIGHTS", 0)
     with torch.autocast("cpu", dtype=torch.bfloat16), dl.packed_linears(layer, rows=3) as count:
         assert count == 0
-    monkeypatch.setattr(dl, "available_mb", lambda: 0.0)
+    monkeypatch.setattr(ff, "available_mb", lambda: 0.0)
     with dl.packed_linears(layer, rows=3) as count:
         assert count == 0
     assert _plain(layer)

@@ -5,7 +5,7 @@
 
 `FastDecoder` packs its float32 weights once per `generate` for decode's row count where that is
 faster (`fast_forward.MKL_PACKED` on Intel CPUs, `ONEDNN_PACKED` on AMD ones; docs/performance.md
-items 17 and the MKL packing before it). Models it does not cover (LoRA adapters, other
+item 17 and the MKL packing before it). Models it does not cover (LoRA adapters, other
 architectures) decode with the HF forward; `packed_linears` gives their `nn.Linear` layers the
 same packing for the decode loop only: each trained float32 CPU `nn.Linear` of at least
 `fast_forward.PACK_MIN_WEIGHTS` weights is packed on entry and runs `fast_forward.dense` on its
@@ -29,11 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tamer.memory import available_mb
 from tamer.models import fast_forward as ff
 
 
-def _packable(module: nn.Module) -> bool:
+def packable_linear(module: nn.Module) -> bool:
+    """Whether `packed_linears` packs `module` (where packing is on): a trained float32 CPU `nn.Linear` of
+    at least `fast_forward.PACK_MIN_WEIGHTS` weights whose forward is its class's own."""
     weight = getattr(module, "weight", None)
     return (type(module) is nn.Linear and "forward" not in module.__dict__ and weight.requires_grad
             and weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= ff.PACK_MIN_WEIGHTS)
@@ -58,10 +59,8 @@ class _PackedForward:
 def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
     """Within the block, `model`'s packable `nn.Linear` layers run on weights packed for `rows` rows;
     yields how many were packed (0 where packing does not apply)."""
-    layers = [m for m in model.modules() if _packable(m)] if ff.packing() else []
-    mb = sum(m.weight.numel() for m in layers) * 4 / 2**20
-    free_mb = available_mb()
-    if free_mb is not None and free_mb < 2 * mb:  # a large model keeps F.linear rather than doubling its weights
+    layers = [m for m in model.modules() if packable_linear(m)] if ff.packing() else []
+    if layers and not ff.room_for_packs(sum(m.weight.numel() for m in layers) * 4 / 2**20):
         layers = []
     for m in layers:
         m.forward = _PackedForward(m, ff.pack_weight(m.weight, rows), rows)

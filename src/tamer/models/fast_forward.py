@@ -157,6 +157,13 @@ def packing() -> bool:
     return (MKL_PACKED or ONEDNN_PACKED) and not torch.is_autocast_enabled("cpu")
 
 
+def room_for_packs(mb: float) -> bool:
+    """Whether `mb` of packed weights fit: at least twice that available (`tamer.memory.available_mb`), or
+    unknown. A large float32 model keeps `F.linear` rather than doubling its weights' memory."""
+    free_mb = available_mb()
+    return free_mb is None or free_mb >= 2 * mb
+
+
 def pack_weight(weight: torch.Tensor, rows: int) -> Pack:
     """`weight` (out, in) packed for `rows`-row matmuls: MKL's layout where `MKL_PACKED`, else oneDNN's."""
     if MKL_PACKED:
@@ -322,7 +329,7 @@ class FastDecoder:
     def _packable_mb(self) -> float:
         """MB of the snapshot's weights that decode would pack: float32 CPU weights (`packing()`), each of at
         least `PACK_MIN_WEIGHTS` elements, when gate/up (the largest) is; else 0."""
-        if not ((MKL_PACKED or ONEDNN_PACKED) and self.head.device.type == "cpu" and self.head.dtype == torch.float32
+        if not (packing() and self.head.device.type == "cpu" and self.head.dtype == torch.float32
                 and max(layer.gu_w.numel() for layer in self.layers) >= PACK_MIN_WEIGHTS):
             return 0.0
         weights = [w for layer in self.layers for w in (layer.qkv_w, layer.o_w, layer.gu_w, layer.down_w)]
@@ -346,12 +353,9 @@ class FastDecoder:
         if not self._pack_mb or not packing():
             return None
         if rows not in self._packs:
-            free_mb = available_mb()
-            crowded = free_mb is not None and free_mb < 2 * self._pack_mb  # then F.linear, as without packing
-
             def pack(w: torch.Tensor) -> Pack | None:
                 return pack_weight(w, rows) if w.numel() >= PACK_MIN_WEIGHTS else None
-            self._packs[rows] = None if crowded else (
+            self._packs[rows] = None if not room_for_packs(self._pack_mb) else (
                 [(pack(layer.qkv_w), pack(layer.o_w), pack(layer.gu_w), pack(layer.down_w)) for layer in self.layers],
                 pack(self.head))
         return self._packs[rows]
