@@ -2,6 +2,8 @@
 
     result = run_worker(SCRIPT, "tamer", spec)          # parent: `SCRIPT --worker tamer --spec JSON`
     serve(run_tamer, run_trl, args.worker, args.spec)   # the worker's side: run one trainer, print JSON
+    results = block_pair(SCRIPT, {"tamer": spec, "trl": spec}, "tamer")   # both alive, steps alternated
+    pause(block, warmup, total, done)                   # the worker's side of block_pair, between steps
 
 Each run is its own process, so neither trainer inherits the other's allocator state, threads or
 caches. Both sides get the allocator settings tamer's trainers set for themselves
@@ -14,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 
 
@@ -46,3 +49,48 @@ def serve(run_tamer: Callable[[dict], dict], run_trl: Callable[[dict], dict], ki
     malloc = keep_freed_memory()
     result = (run_tamer if kind == "tamer" else run_trl)(json.loads(spec))
     print(json.dumps({**result, "malloc": malloc}), flush=True)
+
+
+def pause(block: int | None, warmup: int, total: int, done: int) -> None:
+    """Block mode, in a worker that has run `done` of its `total` steps (`warmup` untimed first): after the
+    warm-up and after every `block` timed steps but the last, say so on stdout ({"ready": done}) and wait
+    for the parent's go on stdin (the other trainer runs meanwhile). No-op when `block` is 0 or None."""
+    if block and warmup <= done < total and (done - warmup) % block == 0:
+        print(json.dumps({"ready": done}), flush=True)
+        sys.stdin.readline()
+
+
+def block_pair(script: str, specs: dict[str, dict], first: str) -> dict[str, dict]:
+    """Both trainers (`specs`: kind -> spec; their workers call `pause` between steps) alive at once in
+    subprocesses of `script`, running their timed steps in alternating blocks, `first` first and then the
+    order flipped every block (A B B A A B ...); only one computes at a time (the other waits on its
+    stdin). Warm-ups run one after the other. Returns each side's result (its last JSON line)."""
+    procs = {}
+    with tempfile.TemporaryFile("w+") as errors:
+        def wait_ready(kind: str) -> dict | None:  # the next {"ready": n}, or the final result
+            while line := procs[kind].stdout.readline():  # skips what else is printed (HF's log dicts)
+                try:
+                    message = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(message, dict) and ("ready" in message or "s_per_step" in message):
+                    return None if "ready" in message else message
+            errors.seek(0)
+            raise RuntimeError(f"{kind} worker ended early:\n{errors.read()[-4000:]}")
+
+        for kind, spec in specs.items():
+            command, env = worker_command(script, kind, spec)
+            procs[kind] = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors,
+                                           text=True, env=env)
+            wait_ready(kind)
+        order, results = [first, *(k for k in specs if k != first)], {}
+        while len(results) < len(specs):
+            for kind in order:
+                procs[kind].stdin.write("go\n")
+                procs[kind].stdin.flush()
+                message = wait_ready(kind)
+                if message is not None:  # done: its exit (freeing its memory) ends before the other computes
+                    results[kind] = message
+                    procs[kind].wait()
+            order.reverse()
+    return results

@@ -3,7 +3,9 @@
 `vs_trl.py` starts each run as `vs_trl.py --worker tamer|trl --spec JSON` in a fresh subprocess
 and reads the JSON result from its last stdout line. `spec` holds the setting: model directory,
 sizes of a step (prompts, group, tokens), lr, beta, precision, threads, seed, steps, warm-up,
-evaluation cadence, `fast` (tamer's lean forward or the HF forward everywhere).
+evaluation cadence, `fast` (tamer's lean forward or the HF forward everywhere), and
+`interleave_steps` (K > 0: both workers alive at once, timed steps alternated in blocks of K with
+the other trainer's, `bench_workers.block_pair`).
 
 `trl_settings(spec)` is every `GRPOConfig` field the benchmark sets; docs/performance.md lists
 the ones whose TRL default differs from what tamer does (tests/test_bench.py checks both
@@ -17,6 +19,8 @@ import resource
 import statistics
 import time
 from pathlib import Path
+
+from bench_workers import pause
 
 SIZES = {  # name -> model shape (char vocabulary: 269 tokens)
     "1m": dict(arch="qwen2", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512),
@@ -246,6 +250,7 @@ def run_tamer(spec: dict) -> dict:
         curve.append((0, 0.0, evaluate(model)))
     cpu, faults = [], []
     for step in range(1, spec["total_steps"] + 1):
+        pause(spec.get("interleave_steps"), spec["warmup"], spec["total_steps"], step - 1)
         start, cpu_start, faults_start = time.perf_counter(), time.process_time(), minor_faults()
         metrics = trainer.train_step()
         seconds.append(time.perf_counter() - start)
@@ -357,6 +362,7 @@ def run_trl(spec: dict) -> dict:
             timer.clear()
             if evaluate and train_state.global_step % spec["eval_every"] == 0:
                 curve.append((train_state.global_step, state["clock"], evaluate(trainer.model)))
+            pause(spec.get("interleave_steps"), spec["warmup"], spec["total_steps"], train_state.global_step)
             state["last"], state["cpu"], state["faults"] = time.perf_counter(), time.process_time(), minor_faults()
 
     trainer.add_callback(Clock())

@@ -35,14 +35,13 @@ import json
 import os
 import pickle
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_workers import run_worker, serve, worker_command
+from bench_workers import block_pair, pause, run_worker, serve
 
 TRL_LAYOUTS = ("padded", "padding_free", "packing")
 TAMER_LAYOUTS = ("packed", "padded")  # and packed_unshared: packed, sft.share_prefix false
@@ -94,15 +93,6 @@ def _result(spec: dict, seconds: list[float], cpu: list[float], tokens: list[int
             "step_seconds": [round(s, 6) for s in seconds], "step_tokens": tokens, **extra}
 
 
-def _pause(spec: dict, done: int) -> None:
-    """Block mode (`spec["block_steps"]`): after the warm-up and after every block but the last, say so on
-    stdout and wait for the parent's go on stdin (the other trainer runs meanwhile)."""
-    block, warmup = spec.get("block_steps"), spec["warmup_steps"]
-    if block and warmup <= done < spec["steps"] and (done - warmup) % block == 0:
-        print(json.dumps({"ready": done}), flush=True)
-        sys.stdin.readline()
-
-
 # ---------------------------------------------------------------------------- tamer worker
 def tamer_trainer(spec: dict):
     """(model in train mode, tamer's SFTTrainer) for `spec`; `spec["layout"]` (default packed) picks the path."""
@@ -137,7 +127,7 @@ def run_tamer(spec: dict) -> dict:
         seconds.append(time.perf_counter() - start)
         cpu.append(time.process_time() - cpu_start)
         tokens.append(sum(len(e.prompt_ids) + len(e.completion_ids) for e in batch))
-        _pause(spec, len(seconds))
+        pause(spec.get("block_steps"), spec["warmup_steps"], spec["steps"], len(seconds))
     return _result(spec, seconds, cpu, tokens, losses, threads=torch.get_num_threads(),
                    lean_forward=trainer.fast is not None)
 
@@ -204,7 +194,7 @@ def run_trl(spec: dict) -> dict:
         def on_step_end(self, *a, **k):
             seconds.append(time.perf_counter() - state["last"])
             cpu.append(time.process_time() - state["cpu"])
-            _pause(spec, len(seconds))
+            pause(spec.get("block_steps"), spec["warmup_steps"], spec["steps"], len(seconds))
             state["last"], state["cpu"] = time.perf_counter(), time.process_time()
 
     inner = trainer.compute_loss
@@ -292,42 +282,6 @@ def worker(kind: str, spec: dict) -> dict:
     return run_worker(__file__, kind, spec)
 
 
-def block_pair(specs: dict[str, dict], first: str) -> dict[str, dict]:
-    """Both trainers (`specs`: kind -> spec with `block_steps`) alive at once, running their timed steps in
-    alternating blocks, `first` first and then the order flipped every block (A B B A A B ...); only one
-    computes at a time (the other waits on its stdin). Returns each side's result."""
-    procs = {}
-    with tempfile.TemporaryFile("w+") as errors:
-        def wait_ready(kind: str) -> dict | None:  # the next {"ready": n}, or the final result
-            while line := procs[kind].stdout.readline():  # skips what else is printed (HF's log dicts)
-                try:
-                    message = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(message, dict) and ("ready" in message or "s_per_step" in message):
-                    return None if "ready" in message else message
-            errors.seek(0)
-            raise RuntimeError(f"{kind} worker ended early:\n{errors.read()[-4000:]}")
-
-        for kind, spec in specs.items():  # warm-ups one after the other
-            command, env = worker_command(__file__, kind, spec)
-            procs[kind] = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors,
-                                           text=True, env=env)
-            wait_ready(kind)
-        order, results = [first, *(k for k in specs if k != first)], {}
-        while len(results) < len(specs):
-            for kind in order:
-                procs[kind].stdin.write("go\n")
-                procs[kind].stdin.flush()
-                message = wait_ready(kind)
-                if message is not None:
-                    results[kind] = message
-            order.reverse()
-        for proc in procs.values():
-            proc.wait()
-    return results
-
-
 def block_speedups(tamer: dict, trl: dict, spec: dict) -> list[float]:
     """tokens/s tamer / TRL per block of the timed steps (the same batches on both sides)."""
     def rate(result: dict, part: slice) -> float:
@@ -351,7 +305,7 @@ def compare(args, data: dict, tmp: Path) -> None:
     for pair in range(args.pairs):
         if args.block_steps:  # one tamer and one TRL layout, alternating in blocks within each pair
             specs = {kind: dict(base, layout=layout, block_steps=args.block_steps) for kind, layout in sides}
-            results = block_pair(specs, "tamer" if pair % 2 == 0 else "trl")
+            results = block_pair(__file__, specs, "tamer" if pair % 2 == 0 else "trl")
             for kind, layout in sides:
                 runs.setdefault(f"{kind}:{layout}", []).append(results[kind])
             blocks += block_speedups(results["tamer"], results["trl"], specs["tamer"])

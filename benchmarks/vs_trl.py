@@ -3,6 +3,8 @@
     pip install -e ".[bench]"                       # trl + accelerate (not core dependencies)
     python benchmarks/vs_trl.py --precisions fp32   # speed: 1m, 20m, 1m-llama3 x beta 0/0.04 x fast/general path
     python benchmarks/vs_trl.py --sizes 1m --betas 0 --paths fast --pairs 3 --steps 3 --warmup 1   # a smoke run
+    python benchmarks/vs_trl.py --precisions fp32 --interleave-steps 1   # each pair's two runs alive at once,
+                                                                        # their timed steps alternated
     python benchmarks/vs_trl.py --learning --out runs/learning.jsonl   # 24 fixed seeds, accuracy vs steps and seconds
     python benchmarks/vs_trl.py --summarize runs/learning.jsonl        # the learning statistics of a finished file
 
@@ -29,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_stats import learning_summary, ratio_summary
-from bench_workers import run_worker, serve
+from bench_workers import block_pair, run_worker, serve
 from grpo_workers import LEARNING, SIZES, SPEED, build_model, environment
 
 
@@ -40,11 +42,19 @@ def worker(kind: str, spec: dict, env_changes: dict[str, str | None] | None = No
 
 
 def interleaved(spec: dict, pairs: int) -> dict[str, list[dict]]:
-    """`pairs` runs of each trainer in the order tamer, TRL, TRL, tamer, tamer, TRL, ..."""
+    """`pairs` runs of each trainer in the order tamer, TRL, TRL, tamer, tamer, TRL, ... With
+    `spec["interleave_steps"]` K, each pair is one tamer and one TRL process alive at once whose timed
+    steps alternate in blocks of K (the first side flipped every pair): a slow spell of the machine then
+    falls on both sides' steps alike, where one process after the other puts it on one side's run."""
     runs: dict[str, list[dict]] = {"tamer": [], "trl": []}
     for pair in range(pairs):
-        for kind in (("tamer", "trl") if pair % 2 == 0 else ("trl", "tamer")):
-            runs[kind].append(worker(kind, spec))
+        first, second = ("tamer", "trl") if pair % 2 == 0 else ("trl", "tamer")
+        if spec.get("interleave_steps"):
+            results = block_pair(__file__, {first: spec, second: spec}, first)
+        else:
+            results = {kind: worker(kind, spec) for kind in (first, second)}
+        for kind in runs:
+            runs[kind].append(results[kind])
     return runs
 
 
@@ -64,7 +74,7 @@ def speed(args, tmp: Path) -> None:
                 for path in args.paths:
                     spec = dict(SPEED, model=str(model), beta=beta, precision=precision, threads=args.threads,
                                 seed=args.seed, warmup=args.warmup, total_steps=args.warmup + args.steps, eval_every=0,
-                                run_dir=str(tmp / "run"), fast=path == "fast")
+                                run_dir=str(tmp / "run"), fast=path == "fast", interleave_steps=args.interleave_steps)
                     runs = interleaved(spec, args.pairs)
                     print(json.dumps(speed_row(size, path, spec, runs["tamer"], runs["trl"])), flush=True)
 
@@ -87,6 +97,7 @@ def speed_row(size: str, path: str, spec: dict, tamer: list[dict], trl: list[dic
         "model": size, "model_params": tamer[0]["model_params"], "path": path, "beta": spec["beta"],
         "precision": spec["precision"], "cpu_bf16_units": tamer[0]["cpu_bf16_units"],
         "pairs": len(tamer), "steps_timed": spec["total_steps"] - spec["warmup"],
+        "interleave_steps": spec.get("interleave_steps", 0),  # 0: each run its own process, one after the other
         "tamer_threads": tamer[0]["threads"], "trl_threads": trl[0]["threads"],
         "tamer_s_per_step": round(statistics.median(t_steps), 4),
         "trl_s_per_step": round(statistics.median(r_steps), 4),
@@ -198,6 +209,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3, help="interleaved tamer/TRL pairs per setting")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per run (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--interleave-steps", type=int, default=0, metavar="K",
+                        help="each pair: both trainers alive at once, their timed steps alternated in blocks of K "
+                             "(0: one run after the other)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--learning", action="store_true", help="accuracy vs steps and seconds from an SFT checkpoint")
@@ -216,6 +230,8 @@ def main() -> None:
     parser.add_argument("--worker", choices=("tamer", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.interleave_steps and args.steps % args.interleave_steps:
+        parser.error("--interleave-steps: --steps must be a multiple of it")
     if args.worker:
         from grpo_workers import run_tamer, run_trl
         serve(run_tamer, run_trl, args.worker, args.spec)  # both sides: tamer's allocator settings
