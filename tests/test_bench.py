@@ -343,3 +343,56 @@ def test_page_faults_smoke(tmp_path):
     # glibc's defaults fault pages in again at every step (thousands); kept, the heap stops growing
     assert system["page_faults_per_step"] > 1000 and kept["page_faults_per_step"] < system["page_faults_per_step"] / 2
     assert summary["pairs"] == 1 and summary["ratio_min"] == summary["ratio_max"] > 0
+
+
+FAKE_WORKER = '''
+import json, sys, time
+sys.path.insert(0, {bench!r})
+from bench_workers import pause
+spec = json.loads(sys.argv[sys.argv.index("--spec") + 1])
+kind = sys.argv[sys.argv.index("--worker") + 1]
+for done in range(spec["total"]):
+    pause(spec["block"], spec["warmup"], spec["total"], done)
+    with open(spec["log"], "a") as f:
+        f.write(f"{{kind}}{{done}} ")
+print("not json: skipped")
+print(json.dumps({{"s_per_step": 1.0, "kind": kind}}), flush=True)
+'''
+
+
+def test_pause_after_the_warmup_and_every_block_but_the_last(monkeypatch, capsys):
+    import io
+    import json
+
+    from bench_workers import pause
+    monkeypatch.setattr(sys, "stdin", io.StringIO("go\n" * 10))
+    for done in range(8):  # 2 warm-up + 6 timed steps in blocks of 2: ready at 2, 4, 6 (not after the last)
+        pause(2, 2, 8, done)
+    assert [json.loads(line)["ready"] for line in capsys.readouterr().out.splitlines()] == [2, 4, 6]
+    for done in range(8):
+        pause(0, 2, 8, done)  # off
+    assert capsys.readouterr().out == "" and sys.stdin.read() == "go\n" * 7
+
+
+@pytest.mark.parametrize("first", ["tamer", "trl"])
+def test_block_pair_alternates_the_workers_steps(tmp_path, first):
+    """block_pair: warm-ups one after the other, then blocks in the order A B B A A B ..., each side's
+    last JSON line its result."""
+    from bench_workers import block_pair
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER.format(bench=str(ROOT / "benchmarks")))
+    log = tmp_path / "order.txt"
+    spec = dict(total=7, warmup=1, block=2, log=str(log), threads=1)
+    other = "trl" if first == "tamer" else "tamer"
+    results = block_pair(str(script), {first: spec, other: spec}, first)
+    assert {k: r["kind"] for k, r in results.items()} == {"tamer": "tamer", "trl": "trl"}
+    a, b = first, other
+    assert log.read_text().split() == [f"{a}0", f"{b}0", f"{a}1", f"{a}2", f"{b}1", f"{b}2", f"{b}3", f"{b}4",
+                                       f"{a}3", f"{a}4", f"{a}5", f"{a}6", f"{b}5", f"{b}6"]
+
+
+def test_vs_trl_interleave_steps_must_divide_the_steps():
+    import subprocess
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--steps", "12",
+                          "--interleave-steps", "5"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "multiple" in out.stderr

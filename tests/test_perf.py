@@ -238,6 +238,21 @@ def test_vs_trl_smoke(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install -e '.[bench]')")
+def test_vs_trl_interleaved_steps(tmp_path):
+    """--interleave-steps 1: both trainers alive, their timed steps alternated; every step timed on each side."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--sizes", "1m", "--betas", "0",
+                          "--precisions", "fp32", "--paths", "fast", "--pairs", "1", "--steps", "2", "--warmup", "1",
+                          "--threads", "1", "--interleave-steps", "1"], capture_output=True, text=True, timeout=900,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["interleave_steps"] == 1 and row["pairs"] == 1 and row["steps_timed"] == 2
+    assert len(row["tamer_step_seconds"][0]) == len(row["trl_step_seconds"][0]) == 3
+    assert row["trl_gradient_checkpointing"] is False and row["tamer_s_per_step"] > 0 and row["trl_s_per_step"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install -e '.[bench]')")
 def test_vs_trl_same_batch_gives_trls_gradient(tmp_path):
     """On one rollout batch, tamer's GRPO loss has TRL's logprobs and TRL's gradient (same advantages), tamer
     reusing its sampler's projection outputs where TRL recomputes its forward."""
