@@ -346,7 +346,7 @@ def test_page_faults_smoke(tmp_path):
 
 
 FAKE_WORKER = '''
-import json, sys, time
+import json, sys
 sys.path.insert(0, {bench!r})
 from bench_workers import pause
 spec = json.loads(sys.argv[sys.argv.index("--spec") + 1])
