@@ -31,8 +31,11 @@ SIZES = {  # name -> model shape (char vocabulary: 269 tokens)
                       rope={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 1024, "rope_theta": 500000.0}),
 }
-SPEED = dict(prompts_per_step=4, group_size=8, max_new_tokens=32, lr=1e-5)
-LEARNING = dict(prompts_per_step=16, group_size=8, max_new_tokens=32, lr=1e-4)  # the arithmetic demo's RL
+# `reward`: what both sides score a completion with (`score`). Speed runs start from a random-init model, which
+# never answers an arithmetic task: under `correctness` every reward, advantage and gradient is 0 and the timed
+# steps' updates are zero. `digits` differs between a group's samples, so every step's update is a real one.
+SPEED = dict(prompts_per_step=4, group_size=8, max_new_tokens=32, lr=1e-5, reward="digits")
+LEARNING = dict(prompts_per_step=16, group_size=8, max_new_tokens=32, lr=1e-4, reward="correctness")  # the demo's RL
 
 
 def build_model(size: str, out: Path) -> Path:
@@ -176,6 +179,38 @@ def tamer_correctness(task, text: str) -> float:
     return REWARDS.get("correctness")(traj)
 
 
+DIGITS = frozenset("0123456789")
+
+
+def digit_score(text: str, max_new_tokens: int) -> float:
+    """The speed runs' reward: digit characters in the completion text / `max_new_tokens` (special tokens have
+    none, so tamer's trajectory text and TRL's decoded completion score alike)."""
+    return sum(c in DIGITS for c in text) / max_new_tokens
+
+
+def score(spec: dict, task, text: str) -> float:
+    """The reward of one completion text under `spec["reward"]` (the same function on both sides)."""
+    if spec.get("reward", "correctness") == "digits":
+        return digit_score(text, spec["max_new_tokens"])
+    return tamer_correctness(task, text)
+
+
+def _bench_digits(traj, *, max_new_tokens: int = 32) -> float:
+    """`digit_score` as a tamer reward function (registered as "bench_digits" by `tamer_trainer`)."""
+    return digit_score(traj.text, max_new_tokens)
+
+
+def tamer_reward(spec: dict):
+    """tamer's RewardComposer for `spec["reward"]`."""
+    from tamer.rewards import REWARDS, RewardComposer, RewardConfig
+    if spec.get("reward", "correctness") == "digits":
+        if "bench_digits" not in REWARDS:
+            REWARDS.register("bench_digits")(_bench_digits)
+        return RewardComposer(RewardConfig(weights={"bench_digits": 1.0},
+                                           params={"bench_digits": {"max_new_tokens": spec["max_new_tokens"]}}))
+    return RewardComposer(RewardConfig(weights={"correctness": 1.0}))
+
+
 def evaluator(spec: dict, tokenizer, heldout):
     """Held-out greedy accuracy with tamer's evaluator (fp32, same tasks) for either trainer's model."""
     from tamer.evaluate import EvalConfig, evaluate
@@ -199,6 +234,8 @@ def summarize(spec: dict, step_seconds: list[float], cpu_seconds: list[float], g
     other processes inflates far less than wall-clock time (at one thread: the work done)."""
     import torch
     timed = step_seconds[spec["warmup"]:]
+    updates = {f"{k}_timed": [round(v, 4) for v in extra.pop(k)[spec["warmup"]:]]
+               for k in ("grad_norms", "zero_spread") if k in extra}
     gen_tokens = sum(generated[spec["warmup"]:])
     phase_median = ({k: statistics.median(p.get(k, 0.0) for p in phases[spec["warmup"]:]) for k in phases[-1]}
                     if phases else {})
@@ -206,7 +243,8 @@ def summarize(spec: dict, step_seconds: list[float], cpu_seconds: list[float], g
             "cpu_s_per_step": statistics.median(cpu_seconds[spec["warmup"]:]),
             "page_faults_per_step": statistics.median(faults[spec["warmup"]:]),
             "gen_tokens_per_s": gen_tokens / sum(timed), "generated_tokens_per_step": gen_tokens / len(timed),
-            "peak_rss_mb": peak_rss_mb(), "profile_s": phase_median, "threads": torch.get_num_threads(), **extra}
+            "peak_rss_mb": peak_rss_mb(), "profile_s": phase_median, "threads": torch.get_num_threads(), **updates,
+            **extra}
 
 
 # ---------------------------------------------------------------------------- tamer
@@ -224,7 +262,6 @@ class _InOrder:
 
 def tamer_trainer(spec: dict, model, tokenizer, prompts, heldout):
     """tamer's RLTrainer for `spec` (the tamer column of the table in docs/performance.md), fed `prompts` in order."""
-    from tamer.rewards import RewardComposer, RewardConfig
     from tamer.trainers.common import OptimConfig
     from tamer.trainers.rl import AlgorithmConfig, RLConfig, RLTrainer
     config = RLConfig(
@@ -233,8 +270,7 @@ def tamer_trainer(spec: dict, model, tokenizer, prompts, heldout):
         rollout_threads=spec.get("rollout_threads", 0), fast_forward=spec.get("fast", True),
         seed=spec["seed"], optim=OptimConfig(lr=spec["lr"], max_grad_norm=1.0),
         algorithm=AlgorithmConfig(kl_coef=spec["beta"], kl_estimator="k3", aggregation="token-mean"))
-    trainer = RLTrainer(model, tokenizer, prompts, heldout, RewardComposer(RewardConfig(weights={"correctness": 1.0})),
-                        config, run_dir=spec["run_dir"])
+    trainer = RLTrainer(model, tokenizer, prompts, heldout, tamer_reward(spec), config, run_dir=spec["run_dir"])
     trainer.pool = _InOrder(prompts)
     return trainer
 
@@ -248,7 +284,7 @@ def run_tamer(spec: dict) -> dict:
     seconds, generated, phases, curve, learner_tokens, clock, trace = [], [], [], [], [], 0.0, []
     if evaluate:
         curve.append((0, 0.0, evaluate(model)))
-    cpu, faults = [], []
+    cpu, faults, zero_spread = [], [], []
     for step in range(1, spec["total_steps"] + 1):
         pause(spec.get("interleave_steps"), spec["warmup"], spec["total_steps"], step - 1)
         start, cpu_start, faults_start = time.perf_counter(), time.process_time(), minor_faults()
@@ -262,6 +298,7 @@ def run_tamer(spec: dict) -> dict:
         phases.append({k[5:-2]: v for k, v in metrics.items() if k.startswith("time/") and k not in
                        ("time/rollout_s", "time/update_s")})
         trace.append((metrics["reward/mean"], metrics["train/grad_norm"]))
+        zero_spread.append(metrics["rollout/zero_spread_frac"])
         if evaluate and step % spec["eval_every"] == 0:
             curve.append((step, clock, evaluate(model)))
     params = count_parameters(model)
@@ -275,7 +312,8 @@ def run_tamer(spec: dict) -> dict:
               (spec["prompts_per_step"] * spec["group_size"] * 48, cfg.hidden_size, cfg.intermediate_size)]
     rates = matmul_gflops(spec["precision"], shapes) if not spec["eval_every"] else [{"gflops": float("nan")}] * 2
     return summarize(spec, seconds, cpu, generated, phases, faults, model_params=params, curve=curve, trace=trace,
-                     achieved_gflops=achieved, matmul_gflops_1024=rates[0]["gflops"],
+                     grad_norms=[g for _, g in trace], zero_spread=zero_spread, achieved_gflops=achieved,
+                     matmul_gflops_1024=rates[0]["gflops"],
                      matmul_gflops_model_shape=rates[1]["gflops"], matmul_layouts=[r.get("all") for r in rates],
                      model_matmul_shape=list(shapes[1]), fast_forward=getattr(trainer.engine, "fast", None) is not None,
                      replayed_tokens_per_step=statistics.median(r for _, _, r in learner_tokens[w:] or learner_tokens),
@@ -326,21 +364,22 @@ def run_trl(spec: dict) -> dict:
     timer: dict[str, float] = {}
     generated: list[int] = []
 
-    def correctness(prompts, completions, task_id, completion_ids, **_) -> list[float]:
+    def reward(prompts, completions, task_id, completion_ids, **_) -> list[float]:
         start = time.perf_counter()
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         generated.append(sum(len(ids) for ids in completion_ids))
-        scores = [tamer_correctness(by_id[i], text) for i, text in zip(task_id, texts)]
+        scores = [score(spec, by_id[i], text) for i, text in zip(task_id, texts)]
         timer["score"] = timer.get("score", 0.0) + time.perf_counter() - start
         return scores
 
     args = trl_config(spec)
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=correctness, args=args,
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=reward, args=args,
                           train_dataset=data)
     _time_trl_phases(trainer, timer)
+    grad_norms = _record_grad_norms(trainer)
     evaluate = evaluator(spec, tokenizer, heldout) if spec["eval_every"] else None
     state = {"last": None, "clock": 0.0, "checkpointing": None}
-    seconds, cpu, phases, curve, faults = [], [], [], [], []
+    seconds, cpu, phases, curve, faults, zero_spread = [], [], [], [], [], []
 
     class Clock(TrainerCallback):  # step time = between consecutive step ends, evaluation excluded
         def on_train_begin(self, *a, **k):
@@ -360,6 +399,8 @@ def run_trl(spec: dict) -> dict:
             state["clock"] += seconds[-1]
             phases.append(dict(timer))
             timer.clear()
+            # the fraction of this step's groups whose rewards are all equal (zero advantages), as TRL logs it
+            zero_spread.append((trainer._metrics["train"].get("frac_reward_zero_std") or [float("nan")])[-1])
             if evaluate and train_state.global_step % spec["eval_every"] == 0:
                 curve.append((train_state.global_step, state["clock"], evaluate(trainer.model)))
             pause(spec.get("interleave_steps"), spec["warmup"], spec["total_steps"], train_state.global_step)
@@ -370,9 +411,23 @@ def run_trl(spec: dict) -> dict:
     trace = [(log["reward"], log["grad_norm"]) for log in trainer.state.log_history
              if "grad_norm" in log and "reward" in log]
     return summarize(spec, seconds, cpu, generated, phases, faults, model_params=count_parameters(model), curve=curve,
-                     trace=trace, trl_version=__import__("trl").__version__,
+                     trace=trace, grad_norms=grad_norms, zero_spread=zero_spread,
+                     trl_version=__import__("trl").__version__,
                      gradient_checkpointing=bool(state["checkpointing"]),
                      use_bias_correction_kl=args.use_bias_correction_kl)
+
+
+def _record_grad_norms(trainer) -> list[float]:
+    """Each step's gradient norm before clipping, as `Trainer` hands it to its logging hook after the step
+    (speed runs log no step, so the log history has none)."""
+    norms: list[float] = []
+    log_save_evaluate = trainer._maybe_log_save_evaluate
+
+    def hook(tr_loss, grad_norm, *args, **kwargs):
+        norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+        return log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+    trainer._maybe_log_save_evaluate = hook
+    return norms
 
 
 def _time_trl_phases(trainer, timer: dict[str, float]) -> None:

@@ -10,7 +10,9 @@
 
 Both trainers start from the same saved weights (a tiny Qwen2, or Llama with Llama 3's RoPE,
 with tamer's char tokenizer), see the same prompts in the same order (arithmetic train tasks),
-score with the same reward (tamer's `correctness`, wrapped for TRL), and run group size 8, 4
+score with the same reward (speed: digit characters per completion, `grpo_workers.digit_score`, since a
+random-init model scores 0 on every arithmetic task and its updates would be zero; learning: tamer's
+`correctness`, wrapped for TRL), and run group size 8, 4
 prompts per step, 32 completion tokens, temperature 1, the same lr, beta, mu = 1, token-mean
 loss (TRL `dapo`), clip eps 0.2, grad-norm clip 1, constant lr, no activation checkpointing,
 in fp32 or bf16 autocast with fp32 weights. Every run is its own subprocess (peak RSS is per
@@ -88,6 +90,13 @@ def _profile(runs: list[dict]) -> dict:
     return {k: round(statistics.median(r["profile_s"].get(k, 0.0) for r in runs), 4) for k in keys}
 
 
+def _update_summary(side: str, runs: list[dict]) -> dict:
+    norms = [g for r in runs for g in r.get("grad_norms_timed", [])]
+    spread = [z for r in runs for z in r.get("zero_spread_timed", [])]
+    return {f"{side}_grad_norm_median": round(statistics.median(norms), 4) if norms else None,
+            f"{side}_zero_spread_frac": round(statistics.fmean(spread), 4) if spread else None}
+
+
 def speed_row(size: str, path: str, spec: dict, tamer: list[dict], trl: list[dict]) -> dict:
     """One setting: medians over the runs of each trainer, the per-pair ratios and the targets."""
     t_steps, r_steps = [r["s_per_step"] for r in tamer], [r["s_per_step"] for r in trl]
@@ -108,6 +117,9 @@ def speed_row(size: str, path: str, spec: dict, tamer: list[dict], trl: list[dic
         "trl_cpu_s_per_step": round(_median(trl, "cpu_s_per_step"), 4),
         "cpu_ratio_median": round(statistics.median(a["cpu_s_per_step"] / b["cpu_s_per_step"]
                                                     for a, b in zip(tamer, trl)), 3),
+        # the timed steps' updates: gradient norm before clipping (median) and the fraction of groups whose
+        # rewards were all equal (mean), over every run of the side; a zero-gradient step would be no update
+        "reward": spec["reward"], **_update_summary("tamer", tamer), **_update_summary("trl", trl),
         "trl_gradient_checkpointing": any(r["gradient_checkpointing"] for r in trl),
         "trl_use_bias_correction_kl": trl[0]["use_bias_correction_kl"],
         "tamer_fast_forward": tamer[0]["fast_forward"],

@@ -105,6 +105,19 @@ def test_grpo_equal_rewards_give_zero_not_nan():
     close(adv, [0.0, 0.0, 0.0])
 
 
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+def test_equal_rewards_give_exactly_zero_whatever_their_rounding(name):
+    # eight float32 rewards of 0.95 (or of 1 + 3 x 0.1) summed in order have a mean one rounding step
+    # off; divided by the group's ~1e-8 std that gave every member of the 0.95 group 0.056 (and -0.106
+    # for 1.3) before the mean was taken of the rewards minus the group's minimum. Group 2: [0, 1] x 4,
+    # centered +-0.5, so the batch mean REINFORCE++ subtracts is exactly 0 too.
+    rewards = torch.tensor([0.95] * 8 + [1.0 + 3 * 0.1] * 8 + [0.0, 1.0] * 4)
+    ids = torch.tensor([0] * 8 + [1] * 8 + [2] * 8)
+    adv = get_advantage_fn(name)(rewards, ids)
+    assert torch.equal(adv[:16], torch.zeros(16))
+    assert bool((adv[16:] != 0).all())
+
+
 def test_dr_grpo():
     # r - group mean: group 7 mean .5, group 5 mean 1.5, group 3 mean 2
     adv = get_advantage_fn("dr_grpo")(REWARDS, IDS)

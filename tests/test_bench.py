@@ -396,3 +396,32 @@ def test_vs_trl_interleave_steps_must_divide_the_steps():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--steps", "12",
                           "--interleave-steps", "5"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "multiple" in out.stderr
+
+
+def test_speed_runs_score_digits_on_both_sides_and_learning_runs_correctness():
+    """A random-init model never answers an arithmetic task: the speed runs' reward must still spread within
+    a group (else every advantage and gradient is zero). tamer's reward function and TRL's wrapper score one
+    text alike."""
+    from grpo_workers import LEARNING, SPEED, digit_score, score, tamer_reward
+    from tamer.rollout.types import Trajectory
+    from tamer.tasks import ArithmeticTasks
+    assert SPEED["reward"] == "digits" and LEARNING["reward"] == "correctness"
+    assert digit_score("a1b22<|im_end|>", 32) == 3 / 32
+    assert digit_score("", 32) == 0.0 and digit_score("x²", 4) == 0.0  # only 0-9 count
+    task = ArithmeticTasks().split()[0][0]
+    text = f"7 <answer>{task.answer}</answer>"
+    traj = Trajectory(task=task, group_id=0, prompt_ids=[], completion_ids=[], loss_mask=[], logprobs=[], text=text)
+    speed, learning = dict(SPEED, max_new_tokens=8), dict(LEARNING)
+    expected = (1 + len(task.answer)) / 8
+    assert score(speed, task, text) == expected
+    assert tamer_reward(speed).breakdown(traj) == (expected, {"bench_digits": expected})
+    assert score(learning, task, text) == 1.0 and score(learning, task, "7") == 0.0
+
+
+def test_speed_row_reports_the_timed_updates():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from vs_trl import _update_summary
+    runs = [{"grad_norms_timed": [0.5, 1.0], "zero_spread_timed": [0.0, 0.25]}, {"grad_norms_timed": [2.0],
+                                                                               "zero_spread_timed": [0.5]}]
+    assert _update_summary("trl", runs) == {"trl_grad_norm_median": 1.0, "trl_zero_spread_frac": 0.25}
+    assert _update_summary("tamer", [{}]) == {"tamer_grad_norm_median": None, "tamer_zero_spread_frac": None}

@@ -192,3 +192,95 @@ def test_critic_value_of_a_token_is_read_before_the_token(tiny_model):
         a, b = critic(ids, mask), critic(changed, mask)
     assert a[0, 0] == 0 and torch.equal(a[0, :4], b[0, :4])  # positions <= 3 have not read token 3
     assert not torch.equal(a[0, 4], b[0, 4])
+
+
+def test_zero_advantage_rows_by_hand():
+    from types import SimpleNamespace
+
+    from tamer.trainers.rl import zero_advantage_rows
+    # (B,) advantages: exactly 0 (either sign) only; a tiny non-zero value keeps its row
+    rows = zero_advantage_rows(SimpleNamespace(advantages=torch.tensor([0.0, 0.5, -0.0, 1e-30]), loss_mask=None))
+    assert rows.tolist() == [True, False, True, False]
+    # (B, T): row 0's only non-zero value sits off the loss mask; row 1 has one on it; row 2 none
+    adv = torch.tensor([[0.0, 0.0, 3.0], [0.0, 2.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    assert zero_advantage_rows(SimpleNamespace(advantages=adv, loss_mask=mask)).tolist() == [True, False, True]
+
+
+def _update_with(model, tokenizer, run_dir, batches, monkeypatch, **overrides):
+    """Run `trainer.update` on each batch of `batches(trainer)`; return (trainer, per update: rows the loss saw,
+    the gradients handed to the optimizer, metrics with the token counts)."""
+    from tamer.trainers import rl as rl_module
+    trainer = _trainer(model, tokenizer, run_dir, reuse_sampler_activations=False, **overrides)
+    seen, grads = [], []
+    loss = trainer.loss
+    trainer.loss = lambda micro: seen.append(len(micro)) or loss(micro)
+    step = rl_module.clip_and_step
+    monkeypatch.setattr(rl_module, "clip_and_step", lambda module, *args: grads.append(
+        [p.grad.clone() for p in module.parameters()]) or step(module, *args))
+    out = []
+    for i, batch in enumerate(batches(trainer)):
+        seen.clear()
+        metrics = trainer.update(batch, i + 1) | trainer._token_counts(batch)
+        out.append((sum(seen), grads[-1], metrics))
+    return trainer, out
+
+
+def test_zero_advantage_rows_are_left_out_with_the_same_update(tiny_model, tokenizer, tmp_path, monkeypatch):
+    """beta = 0: a row with A = 0 adds exactly 0 to the gradient, so the learner leaves it out: fewer rows
+    forwarded, the same gradients and losses; ratio metrics are over the rows run (on-policy: 1)."""
+    import copy
+    trajs, _ = _trainer(copy.deepcopy(tiny_model), tokenizer, tmp_path / "collect",
+                        reuse_sampler_activations=False).collect(1)
+
+    def batches(trainer):
+        batch = trainer.make_batch(trajs)
+        batch.advantages = torch.linspace(-1.0, 1.0, len(batch))  # none 0 (an untrained model's rewards tie)
+        batch.advantages[batch.group_ids == batch.group_ids[0]] = 0.0  # one group teaches nothing
+        return [batch]
+    runs = {skip: _update_with(copy.deepcopy(tiny_model), tokenizer, tmp_path / str(skip), batches, monkeypatch,
+                               skip_zero_advantage=skip)[1][0] for skip in (True, False)}
+    zero = int((trajs[0].group_id == torch.tensor([t.group_id for t in trajs])).sum())
+    assert zero == 4
+    (rows, grads, metrics), (all_rows, all_grads, all_metrics) = runs[True], runs[False]
+    assert (rows, all_rows) == (16 - zero, 16)
+    assert (metrics["tokens/learner_rows_skipped"], all_metrics["tokens/learner_rows_skipped"]) == (zero, 0)
+    assert metrics["tokens/learner"] < all_metrics["tokens/learner"]
+    for g, h in zip(grads, all_grads):
+        torch.testing.assert_close(g, h, atol=1e-7, rtol=1e-5)
+    assert any(bool(g.abs().max() > 0) for g in grads)
+    for key in ("train/policy_loss", "train/loss", "train/ratio_mean", "train/clip_frac", "train/grad_norm"):
+        assert metrics[key] == pytest.approx(all_metrics[key], rel=1e-5, abs=1e-7), key
+    assert metrics["train/ratio_mean"] == pytest.approx(1.0)
+
+
+def test_a_batch_of_zero_advantages_forwards_nothing_and_still_steps(tiny_model, tokenizer, tmp_path, monkeypatch):
+    """Every row left out: no forward, and the optimizer still steps on zero gradients (Adam's momentum from
+    the step before moves the weights, as it does when the zero gradients are computed)."""
+    import copy
+    trajs, _ = _trainer(copy.deepcopy(tiny_model), tokenizer, tmp_path / "collect",
+                        reuse_sampler_activations=False).collect(1)
+
+    def batches(trainer):
+        live, dead = trainer.make_batch(trajs), trainer.make_batch(trajs)
+        live.advantages = torch.linspace(-1.0, 1.0, len(live))
+        dead.advantages.zero_()
+        return [live, dead]
+    weights, rows = {}, {}
+    for skip in (True, False):
+        model = copy.deepcopy(tiny_model)
+        _, out = _update_with(model, tokenizer, tmp_path / str(skip), batches, monkeypatch, skip_zero_advantage=skip)
+        rows[skip] = [r for r, _, _ in out]
+        assert all(bool((g == 0).all()) for g in out[1][1]) and any(bool((g != 0).any()) for g in out[0][1])
+        weights[skip] = [p.detach().clone() for p in model.parameters()]
+    assert rows[True][1] == 0 and rows[False][1] == 16
+    for a, b in zip(weights[True], weights[False]):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+    assert any(not torch.equal(a, b) for a, b in zip(weights[True], tiny_model.parameters()))
+
+
+def test_zero_advantage_rows_are_kept_where_they_have_a_gradient(tiny_model, tokenizer, tmp_path):
+    assert _trainer(tiny_model, tokenizer, tmp_path).skips_zero_advantage
+    assert _trainer(tiny_model, tokenizer, tmp_path, algorithm=AlgorithmConfig(policy_loss="gspo")).skips_zero_advantage
+    assert not _trainer(tiny_model, tokenizer, tmp_path, algorithm=AlgorithmConfig(kl_coef=0.1)).skips_zero_advantage
+    assert not _trainer(tiny_model, tokenizer, tmp_path, skip_zero_advantage=False).skips_zero_advantage

@@ -49,6 +49,23 @@ def test_two_ranks_take_the_one_rank_step(tmp_path, strategy, advantage):
     assert a["metrics"]["train/grad_norm"] > 0
 
 
+@pytest.mark.parametrize("strategy, tied", [("fsdp2", 2), ("ddp", 5)])
+def test_two_ranks_leave_out_zero_advantage_rows_as_one_rank_does(tmp_path, strategy, tied):
+    """beta = 0, `tied` of 5 groups with equal rewards: their rows are left out (docs/algorithms.md#zero-advantage-
+    rows), so the ranks run different numbers of rows (all 5: none on any rank, zero gradients stepped); the
+    update is the one-rank update."""
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    args = ["--kl-coef", "0", "--tied-groups", str(tied)]
+    _run([sys.executable, str(SCRIPT), "--out", str(one)] + args)
+    _run(TORCHRUN + [str(SCRIPT), "--strategy", strategy, "--out", str(two)] + args)
+    a, b = torch.load(one), torch.load(two)
+    assert max((a["params"][k] - b["params"][k]).abs().max().item() for k in a["params"]) < 1e-6
+    assert a["metrics"]["tokens/learner_rows_skipped"] == 2 * tied
+    for key in ("train/loss", "train/policy_loss", "train/grad_norm"):
+        assert a["metrics"][key] == pytest.approx(b["metrics"][key], rel=1e-5, abs=1e-7), key
+    assert (a["metrics"]["train/grad_norm"] > 0) == (tied < 5)
+
+
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2",
         "model.tiny.intermediate_size=64", "rl.prompts_per_step=4", "rl.group_size=4", "rl.max_new_tokens=8",
         "rl.eval_every=2", "eval.size=8", "eval.max_new_tokens=8", "rl.optim.lr=3e-3", "tracking.console=false",

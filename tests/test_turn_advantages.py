@@ -172,3 +172,12 @@ def test_turn_rewards_are_weighted_and_padded():
                                       logprobs=[], text="", turns=[Turn(generated=1, env_reward=r) for r in rewards])
     out = turn_rewards([make([1.0, -1.0, 0.0]), make([2.0]), make([])], 0.5)
     torch.testing.assert_close(out, torch.tensor([[0.5, -0.5, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_identical_members_get_exactly_zero_at_every_turn():
+    # four members, each earning 0.05 at turn 0 and 0.9 in total: R - mu and E - mean E are exactly 0
+    # (means of the values minus the group's minimum), so no rounding step is divided by the ~0 std
+    rewards = torch.full((4,), 0.05 + 0.85)
+    out = turn_grpo(rewards, torch.zeros(4, dtype=torch.long), turn_ids=torch.tensor([[0, -1, 1]] * 4),
+                    turn_rewards=torch.tensor([[0.05, 0.0]] * 4))
+    assert torch.equal(out, torch.zeros(4, 3))

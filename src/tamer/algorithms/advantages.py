@@ -61,13 +61,27 @@ def _group_sum(x: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
     return sums[inverse]
 
 
-def _group_mean_and_size(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """Each member's group mean and group size, both (B,) in the rewards' float dtype."""
+def _group_centered(x: Tensor, inverse: Tensor, num_groups: int, size: Tensor) -> Tensor:
+    """x − its group's mean, for x (B,) or (B, K) (per column); `size` (B,) the members' group sizes.
+
+    The mean is taken of x minus its group's minimum (equal to x − mean in exact arithmetic): a group
+    of equal values gives exactly 0. Summed as they are, eight rewards of 0.95 in float32 have a mean
+    one rounding step off, and GRPO's division by their ~1e-8 std turned that into advantages of
+    0.056 for every member (docs/algorithms.md#grpo).
+    """
+    index = inverse.view(-1, *([1] * (x.dim() - 1))).expand_as(x)
+    empty = torch.zeros((num_groups, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    shifted = x - empty.scatter_reduce(0, index, x, "amin", include_self=False)[inverse]
+    mean = empty.index_add(0, inverse, shifted)[inverse] / size.view(-1, *([1] * (x.dim() - 1)))
+    return shifted - mean
+
+
+def _group_centered_and_size(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Each member's reward minus its group's mean (`_group_centered`), and its group's size; (B,) each."""
     rewards = rewards if rewards.is_floating_point() else rewards.float()
     inverse, num_groups = _group_index(group_ids)
     size = _group_sum(torch.ones_like(rewards), inverse, num_groups)  # (B,)
-    mean = _group_sum(rewards, inverse, num_groups) / size  # (B,)
-    return mean, size
+    return _group_centered(rewards, inverse, num_groups, size), size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +108,7 @@ def grpo(
     rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
     inverse, num_groups = _group_index(group_ids)
     size = _group_sum(torch.ones_like(rewards), inverse, num_groups)  # (B,)
-    centered = rewards - _group_sum(rewards, inverse, num_groups) / size  # (B,)
+    centered = _group_centered(rewards, inverse, num_groups, size)  # (B,) exactly 0 for equal rewards
     # Two-pass variance: sum of squared deviations, then divide.
     sq_dev = _group_sum(centered.square(), inverse, num_groups)  # (B,)
     dof = (size - 1.0) if unbiased_std else size
@@ -112,9 +126,7 @@ def dr_grpo(rewards: Tensor, group_ids: Tensor, loss_mask: Tensor | None = None)
     the length normalization, lives in `aggregate(..., "seq-mean-token-sum-norm")`).
     docs/algorithms.md#dr_grpo
     """
-    rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
-    mean, _ = _group_mean_and_size(rewards, group_ids)
-    return rewards - mean
+    return _group_centered_and_size(rewards, group_ids)[0]
 
 
 @ADVANTAGES.register("rloo")
@@ -125,10 +137,9 @@ def rloo(rewards: Tensor, group_ids: Tensor, loss_mask: Tensor | None = None) ->
     Kool et al. (2019). Departs: a group of size 1 has no "others" and gets advantage 0.
     docs/algorithms.md#rloo
     """
-    rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
-    mean, size = _group_mean_and_size(rewards, group_ids)
+    centered, size = _group_centered_and_size(rewards, group_ids)
     scale = size / (size - 1.0).clamp(min=1.0)  # (B,) G/(G-1); value unused when G == 1
-    advantages = scale * (rewards - mean)
+    advantages = scale * centered
     return torch.where(size > 1, advantages, torch.zeros_like(advantages))
 
 
@@ -142,9 +153,7 @@ def reinforce_pp(rewards: Tensor, group_ids: Tensor, loss_mask: Tensor | None = 
     (weighted) population variance and we divide by (std + eps), as OpenRLHF does up to eps.
     If every sequence has weight 0 the result is all zeros. docs/algorithms.md#reinforce_pp
     """
-    rewards = rewards if rewards.is_floating_point() else rewards.float()  # (B,)
-    mean, _ = _group_mean_and_size(rewards, group_ids)
-    centered = rewards - mean  # (B,)
+    centered, _ = _group_centered_and_size(rewards, group_ids)  # (B,)
     if loss_mask is None:
         weights = torch.ones_like(centered)
     else:
@@ -209,10 +218,8 @@ def turn_grpo(
     earned = p.cumsum(dim=1)[:, :width]  # (B, K) E_ik
     inverse, num_groups = _group_index(group_ids)
     size = _group_sum(torch.ones_like(rewards), inverse, num_groups)  # (B,) N_g
-    mean = _group_sum(rewards, inverse, num_groups) / size  # (B,) μ_g
-    earned_sums = torch.zeros(num_groups, width, dtype=rewards.dtype,
-                              device=rewards.device).index_add_(0, inverse, earned)
-    deviation = (rewards - mean)[:, None] - (earned - earned_sums[inverse] / size[:, None])  # (B, K) D_ik
+    deviation = (_group_centered(rewards, inverse, num_groups, size)[:, None]  # (B, K) D_ik: R_i - μ_g
+                 - _group_centered(earned, inverse, num_groups, size))  # - (E_ik - mean_j E_jk)
     valid = torch.arange(width, device=rewards.device)[None, :] < num_turns[:, None]  # (B, K)
     squares = torch.where(valid, deviation.square(), torch.zeros_like(deviation))
     per_member = squares.sum(dim=1) / valid.sum(dim=1).clamp(min=1)  # (B,)

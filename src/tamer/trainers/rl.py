@@ -149,6 +149,7 @@ class RLConfig:
     generation_batch: int = 256  # sequences generated at once (rollouts and evaluation); lower caps memory
     fast_forward: bool = True  # the lean forward in engine and learner where supported; False: HF forward
     reuse_sampler_activations: bool = True  # learner reuses the sampler's projection outputs where valid (on-policy)
+    skip_zero_advantage: bool = True  # learner leaves out rows whose gradient is exactly 0 (A = 0, no KL term)
     engine: str = "hf"  # hf (tamer's decode loop) | vllm (VLLMEngine, settings in the run's `vllm:` section)
     tis_cap: float = 0.0  # truncated importance sampling cap C (>= 1) on π_learner/π_sampler; 0: off
     tis_level: str = "token"  # token | sequence (one weight per row)
@@ -208,6 +209,25 @@ class RLConfig:
     def total_updates(self) -> int:
         """Optimizer steps over the whole run (for the LR schedule)."""
         return self.steps * self.ppo_epochs * self.mini_batches
+
+
+# Policy losses that are 0, with a 0 gradient, wherever the advantage is 0 (a row with A = 0 can be left out).
+ZERO_AT_ZERO_ADVANTAGE = ("ppo", "gspo")
+LOSS_METRICS = ("train/policy_loss", "train/loss", "train/kl")  # averaged over all rows, left-out ones included
+
+
+def zero_advantage_rows(batch: Batch) -> torch.Tensor:
+    """(B,) bool: rows whose advantage is exactly 0 at every learned token (sequence or per-token advantages)."""
+    adv = batch.advantages
+    if adv.dim() == 1:
+        return adv == 0
+    return ~((adv != 0) & batch.loss_mask.bool()).any(-1)
+
+
+def _unique_prompt_tokens(batch: Batch) -> float:
+    """Prompt tokens of `batch` with each distinct prompt (`prefix_index`) counted once."""
+    _, first = torch.unique(batch.prefix_index, return_inverse=True)
+    return float(torch.zeros(int(first.max()) + 1, dtype=torch.long).scatter_(0, first, batch.prompt_lengths).sum())
 
 
 def make_advantage(config: RLConfig, policy: PreTrainedModel, learner: Learner | None = None) -> Advantage:
@@ -358,21 +378,25 @@ class RLTrainer:
         return out
 
     def _token_counts(self, batch: Batch) -> dict[str, float]:
-        """Tokens the step pushed through the model (for FLOP counts): sampled, prefilled, learned on. The
-        learner does not forward a micro-batch's last column (its logits predict past the end; logprobs.py):
-        counted over the batch's micro-batches as one mini-batch splits them."""
+        """Tokens the step pushed through the model (for FLOP counts): sampled, prefilled, learned on (rows left
+        out as zero-advantage not counted). The learner does not forward a micro-batch's last column (its
+        logits predict past the end; logprobs.py): counted over the micro-batches as one mini-batch splits them."""
+        prefill = _unique_prompt_tokens(batch)
+        rows = self._learned_rows(batch)
+        out = {"tokens/generated": float(batch.loss_mask.sum()), "tokens/prefill": prefill,
+               "tokens/learner_rows_skipped": float(len(batch) - (len(batch) if rows is None else len(rows)))}
+        if rows is not None and len(rows) == 0:
+            return out | {"tokens/learner": 0.0, "tokens/replayed": 0.0}
+        replayed = batch.replay is not None and any(record.used for record in batch.replay.records)
+        live = batch if rows is None else batch.select(rows)
         completions = 0.0
-        for micro in micro_batches(batch, self.config.micro_batch_tokens):
+        for micro in micro_batches(live, self.config.micro_batch_tokens):
             comp = micro.attention_mask.sum(-1) - micro.prompt_lengths
             completions += float(comp.clamp(max=int(comp.max()) - 1).sum())
-        _, first = torch.unique(batch.prefix_index, return_inverse=True)
-        unique_prompts = float(torch.zeros(int(first.max()) + 1, dtype=torch.long).scatter_(
-            0, first, batch.prompt_lengths).sum())
-        shared = self.config.share_prompt_prefix and len(batch) > 1
-        replayed = batch.replay is not None and any(record.used for record in batch.replay.records)
-        return {"tokens/generated": float(batch.loss_mask.sum()), "tokens/prefill": unique_prompts,
-                "tokens/learner": completions + (unique_prompts if shared else float(batch.prompt_lengths.sum())),
-                "tokens/replayed": completions if replayed else 0.0}  # the learner's forward projections skipped
+        shared = self.config.share_prompt_prefix
+        prompts = _unique_prompt_tokens(live) if shared else float(live.prompt_lengths.sum())
+        return out | {"tokens/learner": completions + prompts,
+                      "tokens/replayed": completions if replayed else 0.0}  # the learner's forward projections skipped
 
     @contextlib.contextmanager
     def _timed(self, name: str, timings: dict[str, float] | None = None):
@@ -481,7 +505,9 @@ class RLTrainer:
         """Learner logprobs (B, T) float32 of `batch` under `model`, in the configured precision."""
         cfg = self.config
         with autocast(cfg.precision, batch.input_ids.device):
-            if cfg.share_prompt_prefix and batch.prefix_index is not None and len(batch) > 1:
+            # every micro-batch the same way, whatever its row count: under FSDP2 the ranks' forwards (two
+            # here: prompts, then completions) must issue the same collectives
+            if cfg.share_prompt_prefix and batch.prefix_index is not None:
                 replay = batch.replay if model is self.model else None  # recorded from this model's weights
                 return shared_prefix_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_lengths,
                                               batch.prefix_index, cfg.temperature, fast=cfg.fast_forward,
@@ -526,7 +552,11 @@ class RLTrainer:
         mini = self.learner.local(mini)
         total = max(self.learner.all_reduce_sum(count(mini)), 1.0)
         sums: dict[str, float] = {}
-        micros = [m for m in micro_batches(mini, self.config.micro_batch_tokens) if count(m) > 0]
+        live = self._rows_with_gradient(mini)  # the denominator above still counts the rows left out
+        micros = [m for m in micro_batches(live, self.config.micro_batch_tokens) if count(m) > 0] if live else []
+        # the losses are means over every row (a left-out row's loss is 0); other metrics over the rows run
+        run = (max(self.learner.all_reduce_sum(sum(count(m) for m in micros)), 1.0) if self.skips_zero_advantage
+               else total)
         micros = self.learner.pad_micro_batches(micros, mini)
         for i, micro in enumerate(micros):
             share = count(micro)  # the micro-batch's part of the mini-batch's denominator: share / total
@@ -534,13 +564,41 @@ class RLTrainer:
                 loss, metrics = self.loss(micro)
                 (loss * share / total * self.learner.grad_scale).backward()
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value * share / total
+                sums[key] = sums.get(key, 0.0) + value * share / (total if key in LOSS_METRICS else run)
+        if not micros:  # every row left out (on every rank): the loss is 0, and the optimizer still steps
+            sums.update({"train/policy_loss": 0.0, "train/loss": 0.0})  # (momentum, decay) on zero gradients
+            for p in self.policy.module.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         sums = self.learner.all_reduce_metrics(sums)
         sums.update(self.advantage.update(mini))  # the critic; before the step: a shared trunk's grads join it
         with self._timed("optimizer"):
             sums["train/grad_norm"] = clip_and_step(self.policy.module, self.optimizer, self.scheduler,
                                                     self.config.optim.max_grad_norm)
         return sums
+
+    @property
+    def skips_zero_advantage(self) -> bool:
+        """Whether a row with A = 0 at every learned token adds exactly 0 to the gradient, and is left out:
+        the clipped surrogate (ppo, gspo) is -A·ρ-shaped, so 0 with a 0 gradient at A = 0, and no KL term
+        adds its own gradient (β = 0). docs/algorithms.md#zero-advantage-rows"""
+        alg = self.config.algorithm
+        return self.config.skip_zero_advantage and alg.kl_coef == 0 and alg.policy_loss in ZERO_AT_ZERO_ADVANTAGE
+
+    def _learned_rows(self, batch: Batch) -> torch.Tensor | None:
+        """The rows of `batch` the learner runs: None for all, else their indices (zero-advantage rows left
+        out when `skips_zero_advantage`; possibly none)."""
+        if not self.skips_zero_advantage:
+            return None
+        keep = ~zero_advantage_rows(batch)
+        return None if bool(keep.all()) else keep.nonzero().flatten()
+
+    def _rows_with_gradient(self, batch: Batch) -> Batch | None:
+        """`batch` without the rows `_learned_rows` leaves out; None if no row is left."""
+        rows = self._learned_rows(batch)
+        if rows is None:
+            return batch
+        return batch.select(rows) if len(rows) else None
 
     def loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """The micro-batch's loss (policy surrogate, aggregated, + β·KL) and its metrics."""
