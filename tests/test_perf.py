@@ -141,7 +141,7 @@ def test_token_counts_leave_out_each_micro_batchs_last_column(tokenizer, tiny_mo
     comp = batch.attention_mask.sum(-1) - batch.prompt_lengths
     for budget, groups in ((10**6, [list(range(len(batch)))]), (1, [[row] for row in range(len(batch))])):
         trainer = SimpleNamespace(config=SimpleNamespace(micro_batch_tokens=budget, share_prompt_prefix=True),
-                                  _learned_rows=lambda batch: None)  # every row run
+                                  _rows_with_gradient=lambda batch: batch)  # every row run
         counts = RLTrainer._token_counts(trainer, batch)
         # one micro-batch: every row's completion up to the longest one's last column; one row each: its last token
         expected = sum(min(int(comp[r]), int(comp[g].max()) - 1) for g in groups for r in g)

@@ -381,14 +381,12 @@ class RLTrainer:
         """Tokens the step pushed through the model (for FLOP counts): sampled, prefilled, learned on (rows left
         out as zero-advantage not counted). The learner does not forward a micro-batch's last column (its
         logits predict past the end; logprobs.py): counted over the micro-batches as one mini-batch splits them."""
-        prefill = _unique_prompt_tokens(batch)
-        rows = self._learned_rows(batch)
-        out = {"tokens/generated": float(batch.loss_mask.sum()), "tokens/prefill": prefill,
-               "tokens/learner_rows_skipped": float(len(batch) - (len(batch) if rows is None else len(rows)))}
-        if rows is not None and len(rows) == 0:
+        live = self._rows_with_gradient(batch)
+        out = {"tokens/generated": float(batch.loss_mask.sum()), "tokens/prefill": _unique_prompt_tokens(batch),
+               "tokens/learner_rows_skipped": float(len(batch) - (len(live) if live else 0))}
+        if live is None:
             return out | {"tokens/learner": 0.0, "tokens/replayed": 0.0}
         replayed = batch.replay is not None and any(record.used for record in batch.replay.records)
-        live = batch if rows is None else batch.select(rows)
         completions = 0.0
         for micro in micro_batches(live, self.config.micro_batch_tokens):
             comp = micro.attention_mask.sum(-1) - micro.prompt_lengths
@@ -585,20 +583,13 @@ class RLTrainer:
         alg = self.config.algorithm
         return self.config.skip_zero_advantage and alg.kl_coef == 0 and alg.policy_loss in ZERO_AT_ZERO_ADVANTAGE
 
-    def _learned_rows(self, batch: Batch) -> torch.Tensor | None:
-        """The rows of `batch` the learner runs: None for all, else their indices (zero-advantage rows left
-        out when `skips_zero_advantage`; possibly none)."""
-        if not self.skips_zero_advantage:
-            return None
-        keep = ~zero_advantage_rows(batch)
-        return None if bool(keep.all()) else keep.nonzero().flatten()
-
     def _rows_with_gradient(self, batch: Batch) -> Batch | None:
-        """`batch` without the rows `_learned_rows` leaves out; None if no row is left."""
-        rows = self._learned_rows(batch)
-        if rows is None:
+        """The rows of `batch` the learner runs: `batch` itself, or without its zero-advantage rows when
+        `skips_zero_advantage`; None if no row is left."""
+        keep = ~zero_advantage_rows(batch) if self.skips_zero_advantage else None
+        if keep is None or bool(keep.all()):
             return batch
-        return batch.select(rows) if len(rows) else None
+        return batch.select(keep.nonzero().flatten()) if bool(keep.any()) else None
 
     def loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """The micro-batch's loss (policy surrogate, aggregated, + β·KL) and its metrics."""
