@@ -17,7 +17,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
+
+# Seconds a worker in block mode stays idle after its block, before handing over. After a parallel
+# region torch's OpenMP (libgomp) worker threads spin-wait for their next one: measured ~10 ms of one
+# core's CPU time after a step (machine d), which the other trainer's next step would otherwise share
+# its two cores with. Outside both sides' timed steps; docs/performance.md ("Method").
+SETTLE_S = 0.05
 
 
 def worker_command(script: str, kind: str, spec: dict,
@@ -54,8 +61,10 @@ def serve(run_tamer: Callable[[dict], dict], run_trl: Callable[[dict], dict], ki
 def pause(block: int | None, warmup: int, total: int, done: int) -> None:
     """Block mode, in a worker that has run `done` of its `total` steps (`warmup` untimed first): after the
     warm-up and after every `block` timed steps but the last, say so on stdout ({"ready": done}) and wait
-    for the parent's go on stdin (the other trainer runs meanwhile). No-op when `block` is 0 or None."""
+    for the parent's go on stdin (the other trainer runs meanwhile), after `SETTLE_S` idle. No-op when
+    `block` is 0 or None."""
     if block and warmup <= done < total and (done - warmup) % block == 0:
+        time.sleep(SETTLE_S)  # this process's OpenMP threads stop spinning before the other trainer starts
         print(json.dumps({"ready": done}), flush=True)
         sys.stdin.readline()
 

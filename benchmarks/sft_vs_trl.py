@@ -4,7 +4,7 @@
     python benchmarks/sft_vs_trl.py                                   # trip planner demo data, 3 pairs
     python benchmarks/sft_vs_trl.py --task arithmetic --steps 10 --pairs 1   # a smoke run
     python benchmarks/sft_vs_trl.py --steps 300 --pairs 1             # the loss curves over 300 steps
-    python benchmarks/sft_vs_trl.py --steps 33 --warmup 3 --block-steps 5 --pairs 2 \
+    python benchmarks/sft_vs_trl.py --steps 33 --warmup 3 --interleave-steps 5 --pairs 2 \
         --trl-layouts padded --tamer-layouts packed                   # both alive, alternating 5-step blocks
 
 Both trainers start from the same saved model (the demo's tiny Qwen2 and its BPE tokenizer,
@@ -23,9 +23,9 @@ Each (tamer, TRL layout) set runs `--pairs` times, interleaved, each run in its 
 one JSON object per layout and a summary line with the median tokens/s ratio tamer / best TRL
 and its range. Loss curves: per-step losses of every run, and the largest and mean absolute
 difference between tamer's and TRL's per-step losses where both see the same batches.
-With `--block-steps K` each pair is one tamer and one TRL process alive at once, running their
-timed steps in alternating blocks of K (the idle one waits on stdin); the summary adds a ratio
-per block (the same batches on both sides).
+With `--interleave-steps K` (old name `--block-steps`) each pair is one tamer and one TRL process
+alive at once, running their timed steps in alternating blocks of K (the idle one waits on
+stdin); the summary adds a ratio per block (the same batches on both sides).
 """
 
 from __future__ import annotations
@@ -366,15 +366,16 @@ def main() -> None:
     parser.add_argument("--tamer-layouts", default=",".join(TAMER_LAYOUTS), type=lambda s: s.split(","))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override the demo preset (repeatable), e.g. agent.show_tools=true")
-    parser.add_argument("--block-steps", type=int, default=0,
-                        help="both trainers alive at once, their timed steps alternated in blocks of this many "
-                             "steps (one tamer and one TRL layout); each block pair is a ratio")
+    parser.add_argument("--interleave-steps", "--block-steps", dest="block_steps", type=int, default=0, metavar="K",
+                        help="both trainers alive at once, their timed steps alternated in blocks of K steps (one "
+                             "tamer and one TRL layout); each block pair is a ratio (as vs_trl.py's "
+                             "--interleave-steps; --block-steps is the old name)")
     parser.add_argument("--worker", choices=("tamer", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.block_steps and (len(args.tamer_layouts) != 1 or len(args.trl_layouts) != 1
                              or (args.steps - args.warmup) % args.block_steps):
-        parser.error("--block-steps: one --tamer-layouts and one --trl-layouts, and the timed steps "
+        parser.error("--interleave-steps: one --tamer-layouts and one --trl-layouts, and the timed steps "
                      "(--steps minus --warmup) a multiple of it")
     if args.worker:
         serve(run_tamer, run_trl, args.worker, args.spec)  # both sides: tamer's allocator settings

@@ -293,11 +293,12 @@ def test_sft_attention_groups_smoke(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl not installed (pip install -e '.[bench]')")
 def test_sft_vs_trl_block_mode(tmp_path):
-    """--block-steps: both trainers alive, timed steps alternating in blocks; a ratio per block, same losses."""
+    """--interleave-steps: both trainers alive, timed steps alternating in blocks; a ratio per block, same losses
+    (--block-steps, the old name, still accepted)."""
     import json
     import subprocess
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sft_vs_trl.py"), "--task", "arithmetic",
-                          "--steps", "5", "--warmup", "1", "--block-steps", "2", "--pairs", "1", "--threads", "1",
+                          "--steps", "5", "--warmup", "1", "--interleave-steps", "2", "--pairs", "1", "--threads", "1",
                           "--trl-layouts", "padded", "--tamer-layouts", "packed"],
                          capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -364,14 +365,22 @@ def test_pause_after_the_warmup_and_every_block_but_the_last(monkeypatch, capsys
     import io
     import json
 
-    from bench_workers import pause
+    import bench_workers
+    from bench_workers import SETTLE_S, pause
     monkeypatch.setattr(sys, "stdin", io.StringIO("go\n" * 10))
+    events = []  # each hand-over idles SETTLE_S first (the OpenMP threads' spin ends before the other runs)
+    monkeypatch.setattr(bench_workers.time, "sleep", lambda s: events.append(("sleep", s)))
+    monkeypatch.setattr(sys.stdout, "write", lambda text, write=sys.stdout.write: (events.append(("out", text)),
+                                                                                  write(text))[1])
     for done in range(8):  # 2 warm-up + 6 timed steps in blocks of 2: ready at 2, 4, 6 (not after the last)
         pause(2, 2, 8, done)
     assert [json.loads(line)["ready"] for line in capsys.readouterr().out.splitlines()] == [2, 4, 6]
+    assert SETTLE_S > 0 and [e[0] for e in events if e[1] != "\n"] == ["sleep", "out"] * 3
+    assert all(s == SETTLE_S for kind, s in events if kind == "sleep")
+    events.clear()
     for done in range(8):
         pause(0, 2, 8, done)  # off
-    assert capsys.readouterr().out == "" and sys.stdin.read() == "go\n" * 7
+    assert capsys.readouterr().out == "" and sys.stdin.read() == "go\n" * 7 and events == []
 
 
 @pytest.mark.parametrize("first", ["tamer", "trl"])
