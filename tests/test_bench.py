@@ -369,13 +369,16 @@ def test_pause_after_the_warmup_and_every_block_but_the_last(monkeypatch, capsys
     from bench_workers import SETTLE_S, pause
     monkeypatch.setattr(sys, "stdin", io.StringIO("go\n" * 10))
     events = []  # each hand-over idles SETTLE_S first (the OpenMP threads' spin ends before the other runs)
+
+    def record_print(*args, **kwargs):
+        events.append(("out", args[0]))
+        print(*args, **kwargs)
     monkeypatch.setattr(bench_workers.time, "sleep", lambda s: events.append(("sleep", s)))
-    monkeypatch.setattr(sys.stdout, "write", lambda text, write=sys.stdout.write: (events.append(("out", text)),
-                                                                                  write(text))[1])
+    monkeypatch.setattr(bench_workers, "print", record_print, raising=False)
     for done in range(8):  # 2 warm-up + 6 timed steps in blocks of 2: ready at 2, 4, 6 (not after the last)
         pause(2, 2, 8, done)
     assert [json.loads(line)["ready"] for line in capsys.readouterr().out.splitlines()] == [2, 4, 6]
-    assert SETTLE_S > 0 and [e[0] for e in events if e[1] != "\n"] == ["sleep", "out"] * 3
+    assert SETTLE_S > 0 and [kind for kind, _ in events] == ["sleep", "out"] * 3
     assert all(s == SETTLE_S for kind, s in events if kind == "sleep")
     events.clear()
     for done in range(8):

@@ -383,7 +383,7 @@ class RLTrainer:
         logits predict past the end; logprobs.py): counted over the micro-batches as one mini-batch splits them."""
         live = self._rows_with_gradient(batch)
         out = {"tokens/generated": float(batch.loss_mask.sum()), "tokens/prefill": _unique_prompt_tokens(batch),
-               "tokens/learner_rows_skipped": float(len(batch) - (len(live) if live else 0))}
+               "tokens/learner_rows_skipped": float(len(batch) - (0 if live is None else len(live)))}
         if live is None:
             return out | {"tokens/learner": 0.0, "tokens/replayed": 0.0}
         replayed = batch.replay is not None and any(record.used for record in batch.replay.records)
