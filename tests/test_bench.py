@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import importlib.util
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -437,3 +438,45 @@ def test_speed_row_reports_the_timed_updates():
                                                                                "zero_spread_timed": [0.5]}]
     assert _update_summary("trl", runs) == {"trl_grad_norm_median": 1.0, "trl_zero_spread_frac": 0.25}
     assert _update_summary("tamer", [{}]) == {"tamer_grad_norm_median": None, "tamer_zero_spread_frac": None}
+
+
+def test_static_decode_step_is_the_engines_decode_step(tmp_path):
+    """benchmarks/compiled_decode.py times a static-shape step: it must compute what `FastDecoder.decode` does
+    (the same logits, keys and values up to float rounding, written at the same column, nothing else)."""
+    import torch
+
+    from compiled_decode import prefilled, static_inputs, static_step
+    fast, kv, key_mask, logits, last = prefilled("1m", tmp_path, 1)
+    for step in range(2):
+        tokens, positions = logits.argmax(-1), last + 1 + step
+        with torch.inference_mode():
+            cs, keys, values, bias, col = static_inputs(fast, kv, key_mask, positions)
+            before = [k.clone() for k in keys]
+            ours = static_step(fast, tokens, cs, keys, values, bias, col)
+            logits = fast.decode(tokens, positions, kv, key_mask)
+        assert torch.allclose(ours, logits, atol=1e-5, rtol=0), float((ours - logits).abs().max())
+        c = int(col)
+        assert c == kv.length - 1  # decode wrote column c and moved on
+        for i in range(len(keys)):
+            assert torch.allclose(keys[i][:, :, c], kv.k[i][:, :, c], atol=1e-6)
+            assert torch.allclose(values[i][:, :, c], kv.v[i][:, :, c], atol=1e-6)
+            assert torch.equal(keys[i][:, :, :c], before[i][:, :, :c]) and torch.equal(keys[i][:, :, c + 1:],
+                                                                                         before[i][:, :, c + 1:])
+        assert torch.isinf(bias[:, :, c + 1:]).all()
+        assert (bias[0, 0, :c + 1] == 0).sum() == int(key_mask[0, :c + 1].sum())  # the row's real keys
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("cc") is None, reason="inductor needs a C++ compiler")
+def test_compiled_decode_smoke(tmp_path):
+    """Both sides run, the compiled step matches the eager one, and the row says what it measured."""
+    import json
+    import subprocess
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "compiled_decode.py"), "--size", "1m",
+                          "--rounds", "2", "--calls", "3", "--threads", "1"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["wrapper"] == "cpp" and row["rounds"] == 2 and row["rows"] == 32 and row["compile_s"] > 0
+    assert row["max_abs_diff_vs_decode"] < 1e-5 and row["max_abs_diff_compiled"] < 1e-5
+    assert len(row["ratio"]["ratios"]) == 2 and row["eager_us"] > 0 and row["compiled_us"] > 0
