@@ -446,7 +446,7 @@ def test_static_decode_step_is_the_engines_decode_step(tmp_path):
     import torch
 
     from compiled_decode import prefilled, static_inputs, static_step
-    fast, kv, key_mask, logits, last = prefilled("1m", tmp_path, 1)
+    fast, kv, key_mask, logits, last = prefilled("1m", tmp_path, torch.get_num_threads())  # threads unchanged
     for step in range(2):
         tokens, positions = logits.argmax(-1), last + 1 + step
         with torch.inference_mode():
