@@ -7,15 +7,16 @@
 and a compiled version recompiles (docs/performance.md: the dynamic compile was no faster and
 took minutes). `static_step` is the same float32 lean step (Qwen2/Llama without windows or
 soft-capping; no replay record) with shapes that do not change within a `generate`: attention
-over the whole KV capacity with an additive mask, the new key and value written at a tensor
-column (`index_copy_`). The script builds the benchmark model, prefills the speed batch's prompts,
-checks the static step's logits against `FastDecoder.decode` on the same cache, then times the
-static step eager (`inference_mode`, as the engine runs) and compiled (`no_grad`: inference tensors
-cannot be traced) in `--rounds` interleaved rounds of `--calls` calls. One JSON line: the compile's
-seconds (wall and this process's CPU; inductor compiles in worker processes too, and caches on
-disk, so a second run compiles faster), microseconds per step, the per-round ratio compiled /
-eager (median, min, max) and the largest logit difference. A dev measurement: nothing here is
-used by the trainer.
+over the whole KV capacity with an additive mask (the columns not yet written zeroed: a masked
+NaN would still spread), the new key and value written at a tensor column (`index_copy_`). The
+script builds the benchmark model, prefills the speed batch's prompts, checks the static step's
+logits against `FastDecoder.decode` on the same cache, then times the static step eager
+(`inference_mode`, as the engine runs) and compiled (`no_grad`: inference tensors cannot be
+traced) in `--rounds` interleaved rounds of `--calls` calls. One JSON line: the compile's seconds
+(wall and this process's CPU; inductor compiles in worker processes too, and caches on disk, so a
+second run compiles faster), microseconds per step, the per-round ratio compiled / eager (median,
+min, max) and the largest logit difference. A dev measurement: nothing here is used by the
+trainer.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def static_step(fast, tokens, cs, keys, values, bias, col):
 
 
 def static_inputs(fast, kv, key_mask, positions):
-    """`static_step`'s cs, keys, values (copies of the `KVBuffer`), bias and col for the next decode step."""
+    """`static_step`'s cs, keys, values (copies of the `KVBuffer`, the columns not yet written zeroed), bias and
+    col for the next decode step."""
     import torch
     col = kv.length
     allowed = key_mask.clone()
@@ -78,7 +80,10 @@ def static_inputs(fast, kv, key_mask, positions):
     bias = torch.zeros(batch, capacity).masked_fill_(~allowed, float("-inf"))
     bias = bias[:, None, None, :].expand(batch, fast.num_kv, group, capacity).reshape(-1, group, capacity).contiguous()
     cs = fast._rope_tables(positions, positions.device, size=0)
-    return cs, [k.clone() for k in kv.k], [v.clone() for v in kv.v], bias, torch.tensor([col])
+    keys, values = [k.clone() for k in kv.k], [v.clone() for v in kv.v]
+    for buffer in keys + values:  # columns not yet written hold whatever memory held: masked scores of a
+        buffer[:, :, col:].zero_()  # NaN key would still be NaN, and 0 x a NaN value too, so make them 0
+    return cs, keys, values, bias, torch.tensor([col])
 
 
 def prefilled(size: str, out: Path, threads: int):

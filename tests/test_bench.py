@@ -447,6 +447,9 @@ def test_static_decode_step_is_the_engines_decode_step(tmp_path):
 
     from compiled_decode import prefilled, static_inputs, static_step
     fast, kv, key_mask, logits, last = prefilled("1m", tmp_path, torch.get_num_threads())  # threads unchanged
+    with torch.inference_mode():  # decode never reads the capacity not yet written; the static step must not either
+        for buffer in kv.k + kv.v:
+            buffer[:, :, kv.length:] = float("nan")
     for step in range(2):
         tokens, positions = logits.argmax(-1), last + 1 + step
         with torch.inference_mode():
@@ -462,6 +465,7 @@ def test_static_decode_step_is_the_engines_decode_step(tmp_path):
             assert torch.allclose(values[i][:, :, c], kv.v[i][:, :, c], atol=1e-6)
             assert torch.equal(keys[i][:, :, :c], before[i][:, :, :c]) and torch.equal(keys[i][:, :, c + 1:],
                                                                                          before[i][:, :, c + 1:])
+            assert not keys[i][:, :, c + 1:].any() and not values[i][:, :, c + 1:].any()  # unwritten: zeros
         assert torch.isinf(bias[:, :, c + 1:]).all()
         assert (bias[0, 0, :c + 1] == 0).sum() == int(key_mask[0, :c + 1].sum())  # the row's real keys
 
