@@ -40,7 +40,8 @@ def static_step(fast, tokens, cs, keys, values, bias, col):
     tokens (B,), cs (B, 2, D) RoPE cos/signed sin at the tokens' positions (`_rope_tables`), keys /
     values per layer (B, H_kv, capacity, D) written in place at column `col` (a (1,) long tensor),
     bias (B·H_kv, group, capacity): 0 where a key may be attended (the new column included), -inf
-    elsewhere. The products and their order are `FastDecoder.decode`'s fused float32 path.
+    elsewhere. `FastDecoder.decode`'s fused float32 operations in its order, every matmul as `F.linear` / `addmm`
+    on row-major activations (decode runs the MLP on h.T at 1m and packed weights at 20m): equal up to rounding.
     """
     import torch
     import torch.nn.functional as F
