@@ -72,14 +72,13 @@ def static_inputs(fast, kv, key_mask, positions):
     """`static_step`'s cs, keys, values (copies of the `KVBuffer`, the columns not yet written zeroed), bias and
     col for the next decode step."""
     import torch
+
+    from tamer.models.fast_forward import grouped_bias
     col = kv.length
     allowed = key_mask.clone()
     allowed[:, col] = True
     allowed[:, col + 1:] = False
-    batch, capacity = allowed.shape
-    group = fast.num_heads // fast.num_kv
-    bias = torch.zeros(batch, capacity).masked_fill_(~allowed, float("-inf"))
-    bias = bias[:, None, None, :].expand(batch, fast.num_kv, group, capacity).reshape(-1, group, capacity).contiguous()
+    bias = grouped_bias(allowed, fast.num_kv, fast.num_heads // fast.num_kv, torch.float32)
     cs = fast._rope_tables(positions, positions.device, size=0)
     keys, values = [k.clone() for k in kv.k], [v.clone() for v in kv.v]
     for buffer in keys + values:  # columns not yet written hold whatever memory held: masked scores of a

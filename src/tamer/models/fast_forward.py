@@ -171,6 +171,15 @@ def pack_weight(weight: torch.Tensor, rows: int) -> Pack:
     return Pack(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows), True)
 
 
+def grouped_bias(allowed: torch.Tensor, kv: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B·H_kv, group, T) additive attention mask from `allowed` (B, T) bool: 0 where a key may be attended,
+    -inf elsewhere, one (row, KV head) pair per batch entry with its `group` query heads as rows (decode's
+    one-query attention as batched matmuls)."""
+    batch, keys = allowed.shape
+    bias = torch.zeros(batch, keys, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    return bias[:, None, None, :].expand(batch, kv, group, keys).reshape(batch * kv, group, keys)
+
+
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: Pack | None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for 2-D `x`; on `packed` (weight packed for x's row count) when given;
@@ -593,9 +602,7 @@ class FastDecoder:
             near = window_mask(end, torch.tensor([col], device=x.device), window)
             masks[window] = key_mask[:, :end] if near is None else key_mask[:, :end] & near
         if fuse:
-            masks = {w: torch.zeros(batch, end, dtype=x.dtype, device=x.device).masked_fill_(~m, float("-inf"))
-                     [:, None, None, :].expand(batch, kv, group, end).reshape(batch * kv, group, end)
-                     for w, m in masks.items()}
+            masks = {w: grouped_bias(m, kv, group, x.dtype) for w, m in masks.items()}
         else:
             masks = {w: m[:, None, None, :] for w, m in masks.items()}  # (B, 1, 1, T): shared by every head
         plain = not self.arch.sandwich  # residual adds fused into the matmuls (addmm: x + a @ W.T)
